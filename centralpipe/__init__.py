@@ -1,0 +1,33 @@
+"""centralpipe: PyTorch data loading whose state lives in the main process.
+
+Stateful stages run in the main process behind a round-robin dispatch
+boundary; worker processes only run stateless per-item functions. So
+checkpoints are exact and instant, state is queryable live, and output is the
+same for any number of workers.
+"""
+
+from centralpipe.config import DistributedConfig, LoaderConfig, WorkerConfig
+from centralpipe.errors import (
+    CentralpipeError,
+    CheckpointError,
+    ConfigError,
+    PipelineError,
+    WorkerError,
+)
+from centralpipe.loader import Loader
+from centralpipe.pipeline import Pipeline
+
+__all__ = [
+    "CentralpipeError",
+    "CheckpointError",
+    "ConfigError",
+    "DistributedConfig",
+    "Loader",
+    "LoaderConfig",
+    "Pipeline",
+    "PipelineError",
+    "WorkerConfig",
+    "WorkerError",
+]
+
+__version__ = "0.1.0"

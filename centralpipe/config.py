@@ -1,0 +1,288 @@
+"""Loader configuration: frozen, keyword-only ``attrs`` classes with validators.
+
+Every invalid value raises :class:`~centralpipe.errors.ConfigError` (a
+``ValueError``) naming the field, the value and the allowed range.
+``LoaderConfig.to_dict()`` / ``from_dict()`` round-trip through ``cattrs``;
+``from_toml()`` reads the same structure from a TOML file.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cattrs
+
+from centralpipe.errors import ConfigError
+
+__all__ = ["DistributedConfig", "LoaderConfig", "WorkerConfig"]
+
+#: Default bound on items dispatched to workers but not yet delivered.
+DEFAULT_BUFFER_SIZE = 4096
+START_METHODS = ("fork", "forkserver", "spawn")
+ON_ERROR = ("raise", "skip")
+#: Spelling of ``buffer_size=None`` in formats without a null (TOML).
+UNLIMITED = "unlimited"
+
+_Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
+
+
+def _fail(attribute: attrs.Attribute[Any], value: object, expected: str) -> None:
+    msg = f"`{attribute.name}` must be {expected}, got {value!r}."
+    raise ConfigError(msg)
+
+
+def _int(minimum: int | None = None) -> _Validator:
+    """An ``int`` (not a ``bool``), at least ``minimum``."""
+
+    def check(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not isinstance(value, int) or isinstance(value, bool):
+            _fail(attribute, value, "an int" + (f" >= {minimum}" if minimum is not None else ""))
+        if minimum is not None and value < minimum:
+            _fail(attribute, value, f">= {minimum}")
+
+    return check
+
+
+def _positive_number() -> _Validator:
+    def check(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            _fail(attribute, value, "a number > 0")
+
+    return check
+
+
+def _choice(choices: tuple[str, ...]) -> _Validator:
+    def check(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value not in choices:
+            _fail(attribute, value, "one of " + ", ".join(repr(c) for c in choices))
+
+    return check
+
+
+def _optional(inner: _Validator) -> _Validator:
+    def check(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value is not None:
+            inner(inst, attribute, value)
+
+    return check
+
+
+def _instance(cls: type) -> _Validator:
+    def check(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not isinstance(value, cls):
+            _fail(attribute, value, f"a {cls.__name__}")
+
+    return check
+
+
+def _buffer_size(value: Any) -> Any:
+    return None if value == UNLIMITED else value
+
+
+@attrs.frozen(kw_only=True)
+class WorkerConfig:
+    """How the stages after ``dispatch()`` run.
+
+    Attributes:
+        num_workers: worker processes; 0 runs the worker stages inline in the
+            main process with the same output and checkpoints.
+        buffer_size: most items dispatched but not yet delivered; the feeder
+            blocks (never raises) when it is reached. ``None``: unlimited.
+        start_method: ``"fork"``, ``"forkserver"`` or ``"spawn"``; ``None``
+            picks ``"forkserver"`` where available (safe with the feeder thread
+            running, and Python 3.14's default on Linux), else ``"spawn"``.
+        timeout_s: seconds one item may run in a worker before the worker is
+            killed and the item retried once on a fresh worker.
+        max_restarts: worker replacements allowed per epoch before ``WorkerError``.
+        on_error: ``"raise"`` a ``WorkerError``, or ``"skip"`` the item (counted
+            in ``metrics()["dispatch"]["skipped"]``).
+        chunk_size: items per message to a worker; ``None`` adapts it to the
+            measured cost per item (more for tiny items, fewer for slow ones).
+    """
+
+    num_workers: int = attrs.field(default=0, validator=_int(0))
+    buffer_size: int | None = attrs.field(
+        default=DEFAULT_BUFFER_SIZE, converter=_buffer_size, validator=_optional(_int(1))
+    )
+    start_method: str | None = attrs.field(
+        default=None, validator=_optional(_choice(START_METHODS))
+    )
+    timeout_s: float | None = attrs.field(default=None, validator=_optional(_positive_number()))
+    max_restarts: int = attrs.field(default=3, validator=_int(0))
+    on_error: str = attrs.field(default="raise", validator=_choice(ON_ERROR))
+    chunk_size: int | None = attrs.field(default=None, validator=_optional(_int(1)))
+
+    def resolved_start_method(self) -> str:
+        """The start method workers use: the configured one or the default."""
+        import multiprocessing
+
+        if self.start_method is not None:
+            return self.start_method
+        available = multiprocessing.get_all_start_methods()
+        return "forkserver" if "forkserver" in available else "spawn"
+
+
+@attrs.frozen(kw_only=True)
+class DistributedConfig:
+    """This process's place among the ranks: ``shard()`` keeps index ``i`` when
+    ``i % world_size == rank``. ``local_rank`` is informational."""
+
+    rank: int = attrs.field(default=0, validator=_int(0))
+    world_size: int = attrs.field(default=1, validator=_int(1))
+    local_rank: int | None = attrs.field(default=None, validator=_optional(_int(0)))
+
+    def __attrs_post_init__(self) -> None:
+        if self.rank >= self.world_size:
+            msg = (
+                f"`rank` must be in [0, world_size) = [0, {self.world_size}), got {self.rank}."
+            )
+            raise ConfigError(msg)
+
+    @classmethod
+    def from_env(cls) -> DistributedConfig:
+        """Rank and world size of this process.
+
+        An initialised ``torch.distributed`` process group comes first, then
+        torchrun's ``RANK``/``WORLD_SIZE`` (and ``LOCAL_RANK``), else rank 0 of 1.
+        When both a process group and the variables exist they must agree.
+        """
+        env = _env_ranks()
+        local = _env_int("LOCAL_RANK")
+        group = _group_ranks()
+        if group is not None:
+            if env is not None and env != group:
+                msg = (
+                    f"torch.distributed says rank {group[0]} of {group[1]}, but RANK/WORLD_SIZE "
+                    f"say {env[0]} of {env[1]}; unset the variables or fix the launcher."
+                )
+                raise ConfigError(msg)
+            return cls(rank=group[0], world_size=group[1], local_rank=local)
+        if env is not None:
+            return cls(rank=env[0], world_size=env[1], local_rank=local)
+        return cls(rank=0, world_size=1, local_rank=local)
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        msg = f"environment variable {name} must be an int, got {raw!r}."
+        raise ConfigError(msg) from None
+
+
+def _env_ranks() -> tuple[int, int] | None:
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    if rank is None and world is None:
+        return None
+    if rank is None or world is None:
+        msg = f"set both RANK and WORLD_SIZE or neither, got RANK={rank} WORLD_SIZE={world}."
+        raise ConfigError(msg)
+    return rank, world
+
+
+def _group_ranks() -> tuple[int, int] | None:
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.get_rank(), dist.get_world_size()
+
+
+@attrs.frozen(kw_only=True)
+class LoaderConfig:
+    """Everything a :class:`~centralpipe.Loader` needs besides the pipeline."""
+
+    workers: WorkerConfig = attrs.field(factory=WorkerConfig, validator=_instance(WorkerConfig))
+    distributed: DistributedConfig = attrs.field(
+        factory=DistributedConfig, validator=_instance(DistributedConfig)
+    )
+    seed: int = attrs.field(default=0, validator=_int(0))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict of builtins; ``from_dict`` reverses it."""
+        out: dict[str, Any] = _CONVERTER.unstructure(self)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LoaderConfig:
+        """Build from a nested mapping; missing keys take defaults, unknown keys
+        are a ``ConfigError``."""
+        if not isinstance(data, Mapping):
+            msg = f"a LoaderConfig dict must be a mapping, got {type(data).__name__}."
+            raise ConfigError(msg)
+        try:
+            return _CONVERTER.structure(dict(data), cls)
+        except ConfigError:
+            raise
+        except Exception as exc:  # cattrs wraps errors in exception groups
+            raise _config_error_from(exc) from None
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str]) -> LoaderConfig:
+        """Load from a TOML file with ``[workers]`` and ``[distributed]`` tables
+        and a top-level ``seed``; write ``buffer_size = "unlimited"`` for ``None``."""
+        with Path(path).open("rb") as f:
+            try:
+                data = tomllib.load(f)
+            except tomllib.TOMLDecodeError as exc:
+                msg = f"{path}: not valid TOML: {exc}"
+                raise ConfigError(msg) from None
+        return cls.from_dict(data)
+
+
+def _config_error_from(exc: BaseException) -> ConfigError:
+    """The most useful leaf of a cattrs error tree, as a ``ConfigError``."""
+    leaves: list[tuple[str, BaseException]] = []
+
+    def walk(e: BaseException, path: str) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            notes = getattr(e, "__notes__", [])
+            for sub in e.exceptions:
+                sub_notes = getattr(sub, "__notes__", []) or notes
+                where = path
+                for note in sub_notes:
+                    if isinstance(note, str) and "attribute" in note:
+                        where = f"{path}.{note.split()[-1]}" if path else note.split()[-1]
+                walk(sub, where)
+        else:
+            leaves.append((path, e))
+
+    walk(exc, "")
+    for _, leaf in leaves:
+        if isinstance(leaf, ConfigError):
+            return leaf
+    for path, leaf in leaves:
+        if isinstance(leaf, cattrs.ForbiddenExtraKeysError):
+            keys = ", ".join(sorted(repr(k) for k in leaf.extra_fields))
+            known = ", ".join(f.name for f in attrs.fields(leaf.cl))
+            where = f" in {leaf.cl.__name__}" if leaf.cl is not None else ""
+            return ConfigError(f"unknown key(s) {keys}{where}; known keys: {known}.")
+    path, leaf = leaves[0] if leaves else ("", exc)
+    where = f"`{path.strip('`')}`: " if path else ""
+    return ConfigError(f"invalid config: {where}{type(leaf).__name__}: {leaf}")
+
+
+def _make_converter() -> cattrs.Converter:
+    conv = cattrs.Converter(forbid_extra_keys=True)
+
+    # Configs are validated by attrs; pass raw values through untouched so a
+    # wrong type reaches the validator (and becomes a ConfigError) instead of
+    # being coerced by cattrs (``int("3")``).
+    def passthrough(value: Any, _type: Any) -> Any:
+        return value
+
+    conv.register_structure_hook_func(lambda tp: not attrs.has(tp), passthrough)
+    return conv
+
+
+_CONVERTER = _make_converter()

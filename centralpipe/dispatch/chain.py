@@ -1,0 +1,143 @@
+"""The worker stages of a pipeline, run over a chunk of dispatched items.
+
+The same :class:`WorkerChain` runs inside each worker process and inline in
+the main process (``num_workers=0``), so output does not depend on where it ran.
+Output depends only on ``(item, seed, epoch, seq)``: ``map(fn, with_rng=True)``
+gets a ``torch.Generator`` seeded from those and the stage name.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from centralpipe.pipeline import StageSpec
+from centralpipe.seeding import derive_seed
+
+__all__ = ["ChunkResult", "StageFailure", "WorkerChain", "is_stateful"]
+
+# status slots shared with the main process (see dispatch.pool)
+STATUS_SEQ, STATUS_STARTED, STATUS_STAGE = 0, 1, 2
+STATUS_LEN = 3
+
+
+class StageFailure(NamedTuple):
+    """An exception raised by a worker stage for one input of a chunk."""
+
+    index: int  # input index within the chunk
+    stage: str
+    exc_type: str
+    message: str
+    traceback: str
+
+
+class ChunkResult(NamedTuple):
+    """What a chunk of inputs became.
+
+    ``outputs`` is flat; ``counts[i]`` is how many outputs input ``i`` made
+    (``None``: exactly one each); ``failures`` lists inputs whose stage raised.
+    """
+
+    outputs: list[Any]
+    counts: list[int] | None
+    failures: list[StageFailure] | None
+    elapsed_s: float
+
+
+def is_stateful(fn: Any) -> bool:
+    """A worker-stage callable with ``state_dict``/``load_state_dict``."""
+    return callable(getattr(fn, "state_dict", None)) and callable(
+        getattr(fn, "load_state_dict", None)
+    )
+
+
+class WorkerChain:
+    """Runs the worker stages (``map``/``filter``/``flat_map``/``collate``)."""
+
+    def __init__(self, specs: Sequence[StageSpec], seed: int) -> None:
+        self.specs = tuple(specs)
+        self.seed = seed
+        self._stages = [(s.kind, s.name, s.fn, bool(s.options.get("with_rng"))) for s in specs]
+        # 1:1 chains (only maps/collates) skip the per-input output counts.
+        self.one_to_one = all(kind in ("map", "collate") for kind, *_ in self._stages)
+
+    def run_chunk(
+        self,
+        epoch: int,
+        first_seq: int,
+        items: Sequence[Any],
+        skip: frozenset[int] = frozenset(),
+        status: Any = None,
+    ) -> ChunkResult:
+        """Run every input of a chunk; a failing input is recorded, not raised."""
+        start = time.perf_counter()
+        outputs: list[Any] = []
+        counts: list[int] = []
+        failures: list[StageFailure] = []
+        stages = self._stages
+        simple = self.one_to_one and not skip
+        for i, item in enumerate(items):
+            seq = first_seq + i
+            if status is not None:
+                status[STATUS_SEQ] = seq
+                status[STATUS_STARTED] = time.monotonic()
+            if i in skip:
+                counts.append(0)
+                continue
+            values = [item]
+            for stage_index, (kind, name, fn, with_rng) in enumerate(stages):
+                if status is not None:
+                    status[STATUS_STAGE] = stage_index
+                try:
+                    values = self._apply(kind, name, fn, with_rng, values, epoch, seq)
+                except Exception as exc:
+                    failures.append(
+                        StageFailure(i, name, type(exc).__name__, str(exc), traceback.format_exc())
+                    )
+                    values = []
+                    simple = False
+                    break
+            outputs.extend(values)
+            counts.append(len(values))
+        if status is not None:
+            status[STATUS_STARTED] = 0.0
+        return ChunkResult(
+            outputs,
+            None if simple else counts,
+            failures or None,
+            time.perf_counter() - start,
+        )
+
+    def _apply(
+        self,
+        kind: str,
+        name: str,
+        fn: Any,
+        with_rng: bool,
+        values: list[Any],
+        epoch: int,
+        seq: int,
+    ) -> list[Any]:
+        if kind in ("map", "collate"):
+            if with_rng:
+                rng = self.make_rng(epoch, seq, name)
+                return [fn(v, rng) for v in values]
+            return [fn(v) for v in values]
+        if kind == "filter":
+            return [v for v in values if fn(v)]
+        if kind == "flat_map":
+            return [out for v in values for out in fn(v)]
+        raise AssertionError(f"unknown worker stage kind {kind!r}")
+
+    def make_rng(self, epoch: int, seq: int, stage: str) -> Any:
+        import torch
+
+        rng = torch.Generator()
+        rng.manual_seed(derive_seed(self.seed, epoch, seq, stage))
+        return rng
+
+    def states(self) -> dict[str, Any]:
+        """``state_dict()`` of each stateful worker-stage callable, by stage name."""
+        return {name: fn.state_dict() for _, name, fn, _ in self._stages if is_stateful(fn)}

@@ -1,0 +1,185 @@
+"""The worker processes: start, replace, and shut down.
+
+Each slot has one process and one duplex pipe. A shared status array per slot
+says which ``seq`` (and stage) the worker is on and since when, so the main
+process can time out a hung item and name the item that killed a worker
+without asking the worker anything. Shutdown escalates stop message → join →
+terminate → kill, each with a bounded timeout.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+from centralpipe.dispatch import transport
+from centralpipe.dispatch.chain import STATUS_LEN, STATUS_SEQ, STATUS_STAGE, STATUS_STARTED
+from centralpipe.dispatch.worker import MSG_STOP, WorkerSpec, worker_main
+
+__all__ = ["Slot", "WorkerPool", "describe_exit"]
+
+_JOIN_TIMEOUT_S = 2.0
+_TERMINATE_TIMEOUT_S = 1.0
+_KILL_TIMEOUT_S = 5.0
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """``"exit code 3"`` / ``"killed by SIGKILL"`` / ``"still running"``."""
+    import signal
+
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+class Slot:
+    """One worker position: its current process, pipe, and status."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.process: Any = None
+        self.conn: Connection | None = None
+        self.status: Any = None
+        self.gen = 0  # bumped at each replacement; chunks remember where they went
+        self.send_lock = threading.Lock()
+        self.retired: list[Connection] = []
+        self.items = 0
+
+    def busy_seq(self) -> tuple[int | None, int | None, float]:
+        """(seq, stage index, started monotonic time) of the item in progress."""
+        started = self.status[STATUS_STARTED]
+        if not started:
+            return None, None, 0.0
+        return int(self.status[STATUS_SEQ]), int(self.status[STATUS_STAGE]), started
+
+
+class WorkerPool:
+    """``num_workers`` worker processes, started with ``start_method``."""
+
+    def __init__(self, num_workers: int, start_method: str, spec: WorkerSpec) -> None:
+        self.ctx = mp.get_context(start_method)
+        self.start_method = start_method
+        self.spec = spec
+        self.slots = [Slot(i) for i in range(num_workers)]
+        self.current_run = self.ctx.RawValue("q", 0)
+        self.closed = False
+        if start_method == "forkserver":
+            # Workers fork from a server that already imported torch and us.
+            self.ctx.set_forkserver_preload(["centralpipe.dispatch.worker"])
+
+    def start(self) -> None:
+        for slot in self.slots:
+            self._start(slot)
+
+    def _parent_fds(self) -> list[int]:
+        fds = []
+        for slot in self.slots:
+            for conn in (slot.conn, *slot.retired):
+                if conn is not None and not conn.closed:
+                    fds.append(conn.fileno())
+        return fds
+
+    def _start(self, slot: Slot) -> None:
+        parent, child = self.ctx.Pipe(duplex=True)
+        slot.status = self.ctx.RawArray("d", STATUS_LEN)
+        close_fds = [*self._parent_fds(), parent.fileno()] if self.start_method == "fork" else []
+        proc = self.ctx.Process(
+            target=worker_main,
+            args=(slot.index, child, self.spec, slot.status, self.current_run, close_fds),
+            name=f"centralpipe-worker-{slot.index}",
+            daemon=True,
+        )
+        proc.start()
+        child.close()
+        slot.process = proc
+        slot.conn = parent
+
+    def replace(self, slot: Slot) -> int | None:
+        """Kill (if needed) and reap the slot's process, start a new one;
+        returns the old exit code. The old pipe is kept open in ``retired``
+        until :meth:`close_retired`, so a sender thread still holding it can
+        never write into a reused file descriptor."""
+        old = slot.process
+        exitcode = _reap(old)
+        if slot.conn is not None:
+            slot.retired.append(slot.conn)
+        slot.conn = None
+        self._start(slot)
+        slot.gen += 1
+        return exitcode
+
+    def close_retired(self) -> None:
+        for slot in self.slots:
+            for conn in slot.retired:
+                conn.close()
+            slot.retired.clear()
+
+    def ensure_alive(self) -> None:
+        """Replace workers that died between runs."""
+        for slot in self.slots:
+            if slot.process is None or not slot.process.is_alive():
+                self.replace(slot)
+
+    def set_run(self, run_id: int) -> None:
+        self.current_run.value = run_id
+
+    def close(self) -> None:
+        """Stop every worker; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self.current_run.value = 2**62  # workers skip whatever is still queued
+        for slot in self.slots:
+            if slot.conn is not None and slot.process is not None and slot.process.is_alive():
+                if slot.send_lock.acquire(timeout=0.5):
+                    try:
+                        transport.send(slot.conn, (MSG_STOP,))
+                    except (OSError, ValueError):
+                        pass
+                    finally:
+                        slot.send_lock.release()
+        for slot in self.slots:
+            if slot.process is not None:
+                _reap(slot.process, graceful=True)
+            if slot.conn is not None:
+                slot.conn.close()
+        self.close_retired()
+
+
+def _reap(proc: Any, graceful: bool = False) -> int | None:
+    """Make sure ``proc`` has exited: join, then terminate, then kill."""
+    if proc is None:
+        return None
+    if graceful:
+        proc.join(_JOIN_TIMEOUT_S)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(_TERMINATE_TIMEOUT_S)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(_KILL_TIMEOUT_S)
+    else:
+        proc.join(0)
+    code: int | None = proc.exitcode
+    try:
+        proc.close()
+    except ValueError:  # pragma: no cover - still running after kill
+        pass
+    return code
+
+
+def kill_now(proc: Any) -> None:
+    """SIGKILL a worker (hung item) without waiting."""
+    try:
+        if proc is not None and proc.is_alive():
+            os.kill(proc.pid, 9)
+    except (ProcessLookupError, ValueError):
+        pass

@@ -1,0 +1,387 @@
+"""The Loader: epochs, checkpoints, queries, metrics, and the workers' lifetime.
+
+Each ``iter(loader)`` is one epoch (or the rest of the epoch a checkpoint
+was taken in). The central stages live here, in the caller's process; the
+worker processes are started at the first iteration and kept across epochs.
+"""
+
+from __future__ import annotations
+
+import pickle
+import weakref
+from collections.abc import Iterator
+from typing import Any, Generic, TypeVar
+
+from centralpipe.checkpoint import FORMAT_VERSION, validate
+from centralpipe.config import LoaderConfig
+from centralpipe.dispatch.chain import WorkerChain
+from centralpipe.dispatch.feeder import InlineRun, PoolRun
+from centralpipe.dispatch.pool import WorkerPool
+from centralpipe.dispatch.run import InFlight, Run, RunStats
+from centralpipe.dispatch.worker import MSG_STATES, WorkerSpec
+from centralpipe.errors import CheckpointError, PipelineError
+from centralpipe.pipeline import Pipeline
+from centralpipe.stages import CentralNode, Count, RunContext, Shard, build_central, central_length
+from centralpipe.stages.sources import FilesSource
+
+__all__ = ["Loader"]
+
+T = TypeVar("T")
+
+
+class _Resources:
+    """What must be released even if the Loader is garbage collected."""
+
+    def __init__(self) -> None:
+        self.pool: WorkerPool | None = None
+        self.run: Run | None = None
+        self.nodes: list[CentralNode[Any]] = []
+
+    def end_run(self) -> None:
+        run, self.run = self.run, None
+        if run is not None:
+            run.stop()
+
+    def close(self) -> None:
+        self.end_run()
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+        if self.nodes:
+            self.nodes[-1].release()
+
+
+class Loader(Generic[T]):
+    """Iterate a :class:`~centralpipe.Pipeline`; see the module docstring.
+
+    ``with Loader(pipe, config) as loader: for item in loader: ...``
+    """
+
+    def __init__(self, pipeline: Pipeline, config: LoaderConfig | None = None) -> None:
+        if not isinstance(pipeline, Pipeline):
+            msg = f"Loader needs a centralpipe.Pipeline, got {type(pipeline).__name__}."
+            raise PipelineError(msg)
+        if config is None:
+            config = LoaderConfig()
+        if not isinstance(config, LoaderConfig):
+            msg = f"`config` must be a centralpipe.LoaderConfig, got {type(config).__name__}."
+            raise PipelineError(msg)
+        self._pipe = pipeline
+        self._config = config
+        dist = config.distributed
+        self._ctx = RunContext(seed=config.seed, epoch=0, rank=dist.rank, world_size=dist.world_size)
+        self._nodes = build_central(pipeline.central_stages, self._ctx)
+        self._by_name = {node.name: node for node in self._nodes}
+        for node in self._nodes:
+            if isinstance(node, FilesSource):
+                node.prepare()
+        self._chain = WorkerChain(pipeline.worker_stages, config.seed)
+        self._check_picklable()
+        self.epoch = 0
+        self._stats = RunStats(config.workers.num_workers)
+        self._resume: dict[str, Any] | None = None
+        self._run_ids = 0
+        self._res = _Resources()
+        self._res.nodes = self._nodes
+        self._finalizer = weakref.finalize(self, self._res.close)
+        self._closed = False
+
+    @property
+    def config(self) -> LoaderConfig:
+        return self._config
+
+    @property
+    def pipeline(self) -> Pipeline:
+        return self._pipe
+
+    # -- iteration -------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[T]:
+        self._check_open()
+        self._res.end_run()
+        resume = self._resume
+        self._resume = None
+        if resume is not None and not resume["finished"]:
+            flight = resume["in_flight"]
+            run = self._make_run(
+                next_seq=resume["next_seq"],
+                resume=InFlight(
+                    flight["first_seq"],
+                    list(flight["items"]),
+                    None if flight.get("stamps") is None else list(flight["stamps"]),
+                    flight["skip_outputs"],
+                    flight["skip"],
+                ),
+                delivered_stamp=_tuplify(resume.get("delivered_stamp")),
+            )
+        else:
+            self.epoch += 1
+            self._ctx.epoch = self.epoch
+            self._stats.epoch_restarts = 0
+            self._nodes[-1].load_flat(None)
+            run = self._make_run(next_seq=0, resume=None, delivered_stamp=None)
+        self._res.run = run
+        return run.outputs()
+
+    def _make_run(self, *, next_seq: int, resume: InFlight | None, delivered_stamp: Any) -> Run:
+        w = self._config.workers
+        common: dict[str, Any] = {
+            "nodes": self._nodes,
+            "chain": self._chain,
+            "epoch": self.epoch,
+            "next_seq": next_seq,
+            "resume": resume,
+            "delivered_stamp": delivered_stamp,
+            "buffer_size": w.buffer_size,
+            "chunk_size": w.chunk_size,
+            "on_error": w.on_error,
+            "stats": self._stats,
+            "dispatch_name": self._pipe.dispatch_name or "dispatch",
+        }
+        if w.num_workers == 0:
+            return InlineRun(parallelism=1, **common)
+        self._run_ids += 1
+        return PoolRun(
+            pool=self._ensure_pool(),
+            run_id=self._run_ids,
+            timeout_s=w.timeout_s,
+            max_restarts=w.max_restarts,
+            **common,
+        )
+
+    def _ensure_pool(self) -> WorkerPool:
+        if self._res.pool is None:
+            import os
+
+            w = self._config.workers
+            spec = WorkerSpec(self._chain, os.getpid())
+            pool = WorkerPool(w.num_workers, w.resolved_start_method(), spec)
+            self._res.pool = pool
+            pool.start()
+        return self._res.pool
+
+    def __len__(self) -> int:
+        n = central_length(self._nodes, self._pipe.central_stages, self._ctx)
+        changing = [s.name for s in self._pipe.worker_stages if s.kind in ("filter", "flat_map")]
+        if n is None or changing:
+            why = f"stage '{changing[0]}' changes the count" if changing else "a stage changes the count"
+            msg = f"the length of this pipeline is not known without iterating ({why})."
+            raise TypeError(msg)
+        return n
+
+    # -- checkpoints -------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last item delivered; builtins and tensors only.
+
+        Call it from the thread that iterates. It never iterates the pipeline
+        and never asks a worker anything."""
+        self._check_open()
+        if self._resume is not None:
+            return _copy_state(self._resume)
+        run = self._res.run
+        if run is not None:
+            body = run.capture()
+        else:
+            body = {
+                "central": {node.name: node.own_state() for node in self._nodes},
+                "next_seq": 0,
+                "in_flight": {"first_seq": 0, "items": [], "stamps": None, "skip_outputs": 0, "skip": []},
+                "delivered_stamp": None,
+                "finished": True,
+            }
+        dist = self._config.distributed
+        return {
+            "format_version": FORMAT_VERSION,
+            "fingerprint": self._pipe.fingerprint(),
+            "seed": self._config.seed,
+            "epoch": self.epoch,
+            "distributed": {"rank": dist.rank, "world_size": dist.world_size},
+            "position": {"pre_shard_index": self._pre_shard_index(body.get("delivered_stamp"))},
+            **body,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume at the checkpoint's position at the next ``iter()``; a
+        damaged checkpoint or one of another pipeline is a ``CheckpointError``."""
+        self._check_open()
+        dist = self._config.distributed
+        validate(
+            state_dict,
+            fingerprint=self._pipe.fingerprint(),
+            central_names=[n.name for n in self._nodes],
+            seed=self._config.seed,
+            rank=dist.rank,
+            world_size=dist.world_size,
+        )
+        self._res.end_run()
+        sd = _copy_state(state_dict)
+        self._ctx.epoch = sd["epoch"]
+        try:
+            self._nodes[-1].load_flat(dict(sd["central"]))
+        except CheckpointError:
+            self._nodes[-1].load_flat(None)
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            self._nodes[-1].load_flat(None)
+            stage = next((n.name for n in self._nodes if not _restores(n, sd["central"])), "?")
+            msg = f"damaged checkpoint: the state of stage '{stage}' cannot be restored: {type(exc).__name__}: {exc}"
+            raise CheckpointError(msg) from exc
+        self.epoch = sd["epoch"]
+        self._resume = sd
+
+    # -- queries -----------------------------------------------------------------
+
+    def query(self, name: str, *, delivered: bool = False) -> dict[str, Any]:
+        """A copy of central stage ``name``'s live state; with ``delivered=True``
+        (``count`` stages) its totals as of the last item the consumer received."""
+        node = self._by_name.get(name)
+        if node is None:
+            known = ", ".join(repr(n) for n in self._by_name)
+            workers = [s.name for s in self._pipe.worker_stages]
+            hint = f" ({name!r} is a worker stage; worker stages keep no state)" if name in workers else ""
+            raise KeyError(f"no central stage named {name!r}{hint}; central stages: {known}.")
+        run = self._res.run
+        if delivered:
+            if not isinstance(node, Count):
+                raise ValueError(
+                    f"delivered=True is for count stages; '{name}' is a {node.kind} stage."
+                )
+            if run is not None:
+                stamp = run.delivered_stamp()
+                stamped = run.stamped_nodes()
+            elif self._resume is not None and self._resume.get("delivered_stamp") is not None:
+                stamp = self._resume["delivered_stamp"]
+                stamped = [n for n in self._nodes if isinstance(n, (Count, Shard))]
+            else:
+                return node.own_state()
+            if stamp is None:
+                return node.own_state()
+            items, weight = stamp[stamped.index(node)]
+            return {"items": items, "weight": weight}
+        if run is not None:
+            with run.lock:
+                return node.query_state()
+        return node.query_state()
+
+    def metrics(self) -> dict[str, Any]:
+        """Per central stage items in/out and own time; ``"dispatch"``: buffer,
+        skipped items, worker restarts, items per worker and waiting times."""
+        out: dict[str, Any] = {}
+        for node in self._nodes:
+            out[node.name] = {
+                "items_in": node.source_items(),
+                "items_out": node.items_out,
+                "time_s": max(0.0, node.time_s - node.source_time_s()),
+            }
+        s, run, w = self._stats, self._res.run, self._config.workers
+        out["dispatch"] = {
+            "num_workers": w.num_workers,
+            "dispatched": s.dispatched,
+            "delivered": s.delivered,
+            "buffered": run.in_flight if run is not None else 0,
+            "buffer_size": w.buffer_size,
+            "buffer_high_water": s.high_water,
+            "chunk_size": s.chunk_size,
+            "skipped": s.skipped,
+            "restarts": s.restarts,
+            "items_per_worker": list(s.items_per_worker),
+            "wait_workers_s": s.wait_workers_s,
+            "wait_central_s": s.wait_central_s,
+        }
+        return out
+
+    def worker_states(self) -> list[dict[str, Any]]:
+        """``state_dict()`` of each worker's stateful worker-stage callables, one
+        dict per worker (inline: one). Never needed for exact resume."""
+        self._check_open()
+        if self._config.workers.num_workers == 0:
+            return [self._chain.states()]
+        run = self._res.run
+        if isinstance(run, PoolRun) and not run.stopping:
+            return run.worker_states()
+        return _ask_idle_pool(self._ensure_pool())
+
+    # -- lifetime ------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the workers and the feeder, close files; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> Loader[T]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Loader is closed.")
+
+    def _check_picklable(self) -> None:
+        w = self._config.workers
+        method = w.resolved_start_method()
+        if w.num_workers == 0 or method == "fork":
+            return
+        for spec in self._pipe.worker_stages:
+            try:
+                pickle.dumps(spec.fn)
+            except Exception as exc:
+                msg = (
+                    f"stage '{spec.name}': its function {spec.fn!r} cannot be pickled, which "
+                    f"start method '{method}' needs to send it to the workers ({exc}). Define it "
+                    "at module level (not a lambda or a local function), or use "
+                    "WorkerConfig(start_method='fork')."
+                )
+                raise PipelineError(msg) from None
+
+    def _pre_shard_index(self, stamp: Any) -> int | None:
+        stamped = [n for n in self._nodes if isinstance(n, (Count, Shard))]
+        for i, node in enumerate(stamped):
+            if isinstance(node, Shard):
+                return int(stamp[i]) if stamp is not None else node.index
+        return None
+
+
+def _ask_idle_pool(pool: WorkerPool) -> list[dict[str, Any]]:
+    from centralpipe.dispatch import transport
+
+    out: list[dict[str, Any]] = []
+    for slot in pool.slots:
+        assert slot.conn is not None
+        with slot.send_lock:
+            transport.send(slot.conn, (MSG_STATES,))
+        while True:
+            if not slot.conn.poll(30.0):
+                raise RuntimeError(f"worker {slot.index} did not answer a state request")
+            msg = transport.recv(slot.conn)
+            if msg[0] == MSG_STATES:
+                out.append(msg[1])
+                break
+    return out
+
+
+def _restores(node: CentralNode[Any], central: dict[str, Any]) -> bool:
+    try:
+        node.restore(central[node.name])
+        return True
+    except Exception:
+        return False
+
+
+def _tuplify(stamp: Any) -> Any:
+    if stamp is None:
+        return None
+    return tuple(tuple(x) if isinstance(x, list) else x for x in stamp)
+
+
+def _copy_state(sd: Any) -> dict[str, Any]:
+    """A copy of the checkpoint's containers (items themselves are shared)."""
+    out = dict(sd)
+    out["in_flight"] = dict(sd["in_flight"])
+    out["in_flight"]["items"] = list(sd["in_flight"]["items"])
+    out["central"] = dict(sd["central"])
+    return out

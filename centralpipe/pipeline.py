@@ -1,0 +1,399 @@
+"""The immutable pipeline builder.
+
+A :class:`Pipeline` is a tuple of frozen :class:`StageSpec` s. Every builder
+method validates its arguments and returns a *new* pipeline; building never
+starts a process or touches a file. ``dispatch()`` splits the plan: stages
+before it are *central* (run in the main process, stateful, checkpointed);
+stages after it are *worker* stages (stateless per-item functions run in worker
+processes, or inline with ``num_workers=0``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
+
+import attrs
+from torchdata.nodes import BaseNode
+
+from centralpipe.errors import PipelineError
+
+__all__ = ["Pipeline", "StageSpec"]
+
+Placement = Literal["source", "central", "dispatch", "worker"]
+EQUALIZE = (None, "drop_last", "pad")
+
+
+@attrs.frozen(eq=False)
+class StageSpec:
+    """One stage of the plan: what it is, where it runs, and its arguments."""
+
+    kind: str
+    name: str
+    placement: Placement
+    fn: Any = None
+    options: dict[str, Any] = attrs.field(factory=dict)
+
+    def describe(self) -> str:
+        fn = ""
+        if self.fn is not None:
+            fn = getattr(self.fn, "__qualname__", None) or type(self.fn).__name__
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items() if k != "source")
+        args = ", ".join(a for a in (fn, opts) if a)
+        return f"{self.name}: {self.kind}({args}) [{self.placement}]"
+
+
+def _check_callable(fn: Any, what: str, name: str) -> None:
+    if not callable(fn):
+        msg = f"stage '{name}': {what} must be callable, got {type(fn).__name__} {fn!r}."
+        raise PipelineError(msg)
+
+
+def _check_int(value: Any, what: str, name: str, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        msg = f"stage '{name}': `{what}` must be an int >= {minimum}, got {value!r}."
+        raise PipelineError(msg)
+
+
+def _check_name(name: Any) -> None:
+    if not isinstance(name, str) or not name:
+        msg = f"a stage name must be a non-empty str, got {name!r}."
+        raise PipelineError(msg)
+
+
+class Pipeline:
+    """An immutable plan of stages; see the module docstring.
+
+    Build with a source classmethod, chain stages, and hand it to
+    :class:`~centralpipe.Loader`::
+
+        pipe = Pipeline.from_iterable(range(10)).map(f).dispatch().map(g)
+    """
+
+    __slots__ = ("_specs",)
+
+    def __init__(self, specs: tuple[StageSpec, ...]) -> None:
+        if not specs or specs[0].placement != "source":
+            msg = "a Pipeline starts with a source: use Pipeline.from_iterable/from_files/..."
+            raise PipelineError(msg)
+        self._specs = specs
+
+    # -- sources -------------------------------------------------------------
+
+    @classmethod
+    def from_iterable(cls, iterable: Any, /, *, name: str = "source") -> Pipeline:
+        """Items of a re-iterable: a sequence (resumes by index), a zero-argument
+        callable returning a fresh iterator, or an object whose ``iter()`` gives
+        a fresh iterator each time (both resume by skipping forward).
+
+        A one-shot iterator (a generator, ``iter(x)``) cannot start a second
+        epoch and is refused; wrap it in a function instead.
+        """
+        _check_name(name)
+        if isinstance(iterable, (str, bytes)):
+            msg = (
+                f"stage '{name}': from_iterable got a {type(iterable).__name__}; "
+                "wrap it in a list if you mean one item, or use list(...) for its characters."
+            )
+            raise PipelineError(msg)
+        if isinstance(iterable, Sequence) or _is_sequence_like(iterable):
+            mode = "sequence"
+        elif callable(iterable):
+            mode = "factory"
+        elif isinstance(iterable, Iterable):
+            if iter(iterable) is iterable:
+                msg = (
+                    f"stage '{name}': from_iterable got a one-shot iterator "
+                    f"({type(iterable).__name__}), which cannot be read again in the next "
+                    "epoch or on resume; pass a list, or a zero-argument function that "
+                    "returns a new iterator."
+                )
+                raise PipelineError(msg)
+            mode = "reiterable"
+        else:
+            msg = (
+                f"stage '{name}': from_iterable needs a list, range, tuple, a re-iterable "
+                f"or a zero-argument callable, got {type(iterable).__name__}."
+            )
+            raise PipelineError(msg)
+        return cls((StageSpec("iterable", name, "source", options={"source": iterable, "mode": mode}),))
+
+    @classmethod
+    def from_files(
+        cls, paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], /, *, name: str = "files"
+    ) -> Pipeline:
+        """File paths: a glob (matches sorted; resolved when the Loader starts) or
+        a sequence of paths kept in the given order. Yields ``str`` paths."""
+        _check_name(name)
+        if isinstance(paths, (str, os.PathLike)):
+            options: dict[str, Any] = {"glob": os.fspath(paths)}
+        elif isinstance(paths, Sequence) and not isinstance(paths, bytes):
+            items = list(paths)
+            if not items:
+                msg = f"stage '{name}': from_files got an empty list of paths."
+                raise PipelineError(msg)
+            bad = [p for p in items if not isinstance(p, (str, os.PathLike))]
+            if bad:
+                msg = f"stage '{name}': paths must be str or os.PathLike, got {bad[0]!r}."
+                raise PipelineError(msg)
+            options = {"paths": tuple(os.fspath(p) for p in items)}
+        else:
+            msg = (
+                f"stage '{name}': from_files needs a glob string or a list of paths, "
+                f"got {type(paths).__name__}."
+            )
+            raise PipelineError(msg)
+        return cls((StageSpec("files", name, "source", options=options),))
+
+    @classmethod
+    def from_dataset(cls, dataset: Any, /, *, name: str = "dataset") -> Pipeline:
+        """``dataset[i]`` for ``i`` in ``range(len(dataset))``, resuming by index."""
+        _check_name(name)
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            msg = (
+                f"stage '{name}': from_dataset needs a map-style dataset with __len__ and "
+                f"__getitem__, got {type(dataset).__name__}; use from_iterable for iterables."
+            )
+            raise PipelineError(msg)
+        return cls((StageSpec("dataset", name, "source", options={"source": dataset}),))
+
+    @classmethod
+    def from_node(cls, node: BaseNode[Any], /, *, name: str = "node") -> Pipeline:
+        """Any ``torchdata.nodes.BaseNode``; its own ``state_dict`` is checkpointed."""
+        _check_name(name)
+        if not isinstance(node, BaseNode):
+            msg = f"stage '{name}': from_node needs a torchdata.nodes.BaseNode, got {type(node).__name__}."
+            raise PipelineError(msg)
+        return cls((StageSpec("node", name, "source", options={"source": node}),))
+
+    # -- central stages ------------------------------------------------------
+
+    def read_lines(self, *, encoding: str = "utf-8", name: str | None = None) -> Pipeline:
+        """Paths in, lines out (``str``, without ``\\n`` or a trailing ``\\r``);
+        resumes by (file, byte offset) without re-reading."""
+        if not isinstance(encoding, str):
+            raise PipelineError(f"read_lines: `encoding` must be a str, got {encoding!r}.")
+        import codecs
+
+        try:
+            codecs.lookup(encoding)
+        except LookupError:
+            raise PipelineError(f"read_lines: unknown encoding {encoding!r}.") from None
+        return self._add("read_lines", name, "central", options={"encoding": encoding})
+
+    def map(
+        self, fn: Callable[..., Any], /, *, with_rng: bool = False, name: str | None = None
+    ) -> Pipeline:
+        """``fn(item)`` for each item. After ``dispatch()`` it runs in workers;
+        there ``with_rng=True`` calls ``fn(item, rng)`` with a ``torch.Generator``
+        seeded from ``(seed, epoch, seq)``."""
+        placement = self._placement_for("map")
+        if with_rng and placement == "central":
+            msg = (
+                f"stage '{name or self._default_name('map')}': with_rng=True is for worker maps "
+                "(after dispatch()); a central map sees items in a fixed order and can keep "
+                "its own seeded generator."
+            )
+            raise PipelineError(msg)
+        return self._add("map", name, placement, fn=fn, options={"with_rng": bool(with_rng)})
+
+    def filter(self, pred: Callable[[Any], bool], /, *, name: str | None = None) -> Pipeline:
+        """Keep the items for which ``pred(item)`` is true."""
+        return self._add("filter", name, self._placement_for("filter"), fn=pred)
+
+    def flat_map(self, fn: Callable[[Any], Iterable[Any]], /, *, name: str | None = None) -> Pipeline:
+        """Each item becomes the items of the iterable ``fn(item)``."""
+        return self._add("flat_map", name, self._placement_for("flat_map"), fn=fn)
+
+    def batch(self, batch_size: int, /, *, drop_last: bool = False, name: str | None = None) -> Pipeline:
+        """Lists of ``batch_size`` items (the last may be shorter unless ``drop_last``)."""
+        stage = name or self._default_name("batch")
+        _check_int(batch_size, "batch_size", stage, 1)
+        return self._add(
+            "batch", name, "central", options={"batch_size": batch_size, "drop_last": bool(drop_last)}
+        )
+
+    def bucket_by_max_tokens(
+        self,
+        max_tokens: int,
+        /,
+        *,
+        len_fn: Callable[[Any], int] = len,
+        buffer_size: int | None = 1000,
+        min_len: int = 0,
+        max_len: int | None = None,
+        include_padding: bool = False,
+        name: str | None = None,
+    ) -> Pipeline:
+        """Batches whose total length (or ``longest * size`` with
+        ``include_padding``) is at most ``max_tokens``, made from a buffer of
+        ``buffer_size`` items (``None``: the whole epoch) popped shortest first,
+        as torchdata's ``MaxTokenBucketizer``. Items whose length is outside
+        ``[min_len, max_len]`` are dropped; one longer than ``max_tokens`` is
+        emitted alone. Equal lengths keep arrival order."""
+        stage = name or self._default_name("bucket_by_max_tokens")
+        _check_int(max_tokens, "max_tokens", stage, 1)
+        _check_callable(len_fn, "`len_fn`", stage)
+        if buffer_size is not None:
+            _check_int(buffer_size, "buffer_size", stage, 1)
+        _check_int(min_len, "min_len", stage, 0)
+        if max_len is not None:
+            _check_int(max_len, "max_len", stage, min_len)
+        options = {
+            "max_tokens": max_tokens,
+            "buffer_size": buffer_size,
+            "min_len": min_len,
+            "max_len": max_len,
+            "include_padding": bool(include_padding),
+        }
+        return self._add("bucket_by_max_tokens", name, "central", fn=len_fn, options=options)
+
+    def shuffle(self, buffer_size: int, /, *, name: str | None = None) -> Pipeline:
+        """Buffered shuffle seeded by ``(seed, epoch)``; the buffer and the
+        generator state are checkpointed."""
+        stage = name or self._default_name("shuffle")
+        _check_int(buffer_size, "buffer_size", stage, 1)
+        return self._add("shuffle", name, "central", options={"buffer_size": buffer_size})
+
+    def count(
+        self, name: str | None = None, /, *, weight_fn: Callable[[Any], float] | None = None
+    ) -> Pipeline:
+        """Pass items through, counting them: state ``{"items": n, "weight": w}``
+        where ``w`` sums ``weight_fn(item)`` (or counts items)."""
+        if weight_fn is not None:
+            _check_callable(weight_fn, "`weight_fn`", name or self._default_name("count"))
+        return self._add("count", name, "central", fn=weight_fn)
+
+    def shard(
+        self, *, equalize: Literal["drop_last", "pad"] | None = None, name: str | None = None
+    ) -> Pipeline:
+        """Keep central index ``i`` when ``i % world_size == rank``. ``equalize``
+        gives every rank the same count: ``"drop_last"`` drops the last
+        incomplete round, ``"pad"`` completes it with that round's items."""
+        if equalize not in EQUALIZE:
+            msg = (
+                f"stage '{name or self._default_name('shard')}': `equalize` must be None, "
+                f"'drop_last' or 'pad', got {equalize!r}."
+            )
+            raise PipelineError(msg)
+        return self._add("shard", name, "central", options={"equalize": equalize})
+
+    def dispatch(self, *, name: str = "dispatch") -> Pipeline:
+        """The round-robin boundary: stages after it run in worker processes."""
+        if self._dispatch_index() is not None:
+            msg = (
+                f"stage '{name}': dispatch() was already called "
+                f"('{self._specs[self._dispatch_index() or 0].name}'); a pipeline has at most one."
+            )
+            raise PipelineError(msg)
+        return self._add("dispatch", name, "dispatch")
+
+    # -- worker stages ---------------------------------------------------------
+
+    def collate(self, fn: Callable[[Any], Any] | None = None, /, *, name: str | None = None) -> Pipeline:
+        """Worker stage: ``fn(item)`` (default ``torch.utils.data.default_collate``)
+        on each item, typically a list made by ``batch()``."""
+        stage = name or self._default_name("collate")
+        if self._dispatch_index() is None:
+            msg = (
+                f"stage '{stage}': collate() is a worker stage; call dispatch() first "
+                "(or use map() for a central function)."
+            )
+            raise PipelineError(msg)
+        if fn is None:
+            from torch.utils.data import default_collate
+
+            fn = default_collate
+        return self._add("collate", name, "worker", fn=fn)
+
+    # -- introspection -------------------------------------------------------
+
+    @property
+    def stages(self) -> tuple[StageSpec, ...]:
+        """All stage specs in order."""
+        return self._specs
+
+    @property
+    def central_stages(self) -> tuple[StageSpec, ...]:
+        """Source and central stages (before ``dispatch()``)."""
+        idx = self._dispatch_index()
+        return self._specs if idx is None else self._specs[:idx]
+
+    @property
+    def worker_stages(self) -> tuple[StageSpec, ...]:
+        """Stages after ``dispatch()`` (empty without one)."""
+        idx = self._dispatch_index()
+        return () if idx is None else self._specs[idx + 1 :]
+
+    @property
+    def dispatch_name(self) -> str | None:
+        idx = self._dispatch_index()
+        return None if idx is None else self._specs[idx].name
+
+    def fingerprint(self) -> list[list[str]]:
+        """``[[name, kind], ...]`` of every stage: what a checkpoint must match."""
+        return [[s.name, s.kind] for s in self._specs]
+
+    def describe(self) -> str:
+        return "\n".join(s.describe() for s in self._specs)
+
+    def __repr__(self) -> str:
+        inner = " -> ".join(f"{s.kind}:{s.name}" for s in self._specs)
+        return f"Pipeline({inner})"
+
+    # -- internals -------------------------------------------------------------
+
+    def _dispatch_index(self) -> int | None:
+        for i, spec in enumerate(self._specs):
+            if spec.placement == "dispatch":
+                return i
+        return None
+
+    def _default_name(self, kind: str) -> str:
+        return f"{kind}_{len(self._specs)}"
+
+    def _placement_for(self, kind: str) -> Placement:
+        return "central" if self._dispatch_index() is None else "worker"
+
+    def _add(
+        self,
+        kind: str,
+        name: str | None,
+        placement: Placement,
+        *,
+        fn: Any = None,
+        options: dict[str, Any] | None = None,
+    ) -> Pipeline:
+        stage = self._default_name(kind) if name is None else name
+        _check_name(stage)
+        if placement == "central" and self._dispatch_index() is not None:
+            msg = (
+                f"stage '{stage}': {kind}() is a central (stateful) stage and cannot come after "
+                f"dispatch() ('{self.dispatch_name}'); move it before .dispatch(). Only map, "
+                "filter, flat_map and collate run in workers."
+            )
+            raise PipelineError(msg)
+        if fn is not None:
+            _check_callable(fn, "the function", stage)
+        elif kind in ("map", "filter", "flat_map"):
+            _check_callable(fn, "the function", stage)
+        taken = {s.name for s in self._specs}
+        if stage in taken:
+            msg = f"stage name '{stage}' is already used in this pipeline; pass a unique name=."
+            raise PipelineError(msg)
+        spec = StageSpec(kind, stage, placement, fn=fn, options=dict(options or {}))
+        return Pipeline((*self._specs, spec))
+
+
+def _is_sequence_like(obj: Any) -> bool:
+    """Indexable with a length, but not a mapping (dict keys are not indices)."""
+    from collections.abc import Mapping
+
+    return (
+        hasattr(obj, "__len__")
+        and hasattr(obj, "__getitem__")
+        and not isinstance(obj, Mapping)
+        and not callable(obj)
+        and type(obj).__module__ == "builtins"
+    )

@@ -1,0 +1,172 @@
+"""``batch`` and ``bucket_by_max_tokens``.
+
+``bucket_by_max_tokens`` follows torchdata's ``MaxTokenBucketizer``: items go
+into a min-heap keyed by length; whenever the heap holds ``buffer_size`` items
+(or the source is exhausted) the shortest is popped into the running batch,
+and the batch is emitted when adding the next item would exceed
+``max_tokens``. Ties in length keep arrival order (torchdata compared the items
+themselves, which fails for items that do not order). An item longer than
+``max_tokens`` is emitted alone; an empty batch is never emitted.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from typing import Any
+
+from torchdata.nodes import BaseNode
+
+from centralpipe.stages.base import CentralNode, RunContext
+
+__all__ = ["Batch", "BucketByMaxTokens"]
+
+HEAP_KEY = "heap"
+BATCH_KEY = "batch"
+BATCH_TOKENS_KEY = "batch_tokens"
+BATCH_MAX_KEY = "batch_max_len"
+ARRIVALS_KEY = "arrivals"
+DRAINING_KEY = "draining"
+
+
+class Batch(CentralNode[list[Any]]):
+    kind = "batch"
+
+    def __init__(
+        self, source: BaseNode[Any], batch_size: int, drop_last: bool, *, name: str, ctx: RunContext
+    ) -> None:
+        super().__init__(source, name=name, ctx=ctx)
+        self._batch_size = batch_size
+        self._drop_last = drop_last
+
+    def produce(self) -> list[Any]:
+        assert self.source is not None
+        out: list[Any] = []
+        source = self.source
+        for _ in range(self._batch_size):
+            try:
+                out.append(next(source))
+            except StopIteration:
+                break
+        if not out or (self._drop_last and len(out) < self._batch_size):
+            raise StopIteration
+        return out
+
+
+class BucketByMaxTokens(CentralNode[list[Any]]):
+    kind = "bucket_by_max_tokens"
+
+    def __init__(
+        self,
+        source: BaseNode[Any],
+        len_fn: Callable[[Any], int],
+        *,
+        max_tokens: int,
+        buffer_size: int | None,
+        min_len: int,
+        max_len: int | None,
+        include_padding: bool,
+        name: str,
+        ctx: RunContext,
+    ) -> None:
+        super().__init__(source, name=name, ctx=ctx)
+        self._len_fn = len_fn
+        self._max_tokens = max_tokens
+        self._buffer_size = buffer_size
+        self._min_len = min_len
+        self._max_len = max_len
+        self._padding = include_padding
+        self._clear()
+
+    def _clear(self) -> None:
+        # heap entries: (length, arrival index, item); the index breaks ties.
+        self._heap: list[tuple[int, int, Any]] = []
+        self._batch: list[Any] = []
+        self._batch_tokens = 0
+        self._batch_max = 0
+        self._arrivals = 0
+        self._draining = False
+
+    def produce(self) -> list[Any]:
+        assert self.source is not None
+        heap, cap = self._heap, self._buffer_size
+        while True:
+            if not self._draining:
+                # Fill until the heap holds buffer_size items (a full heap pops one).
+                while cap is None or len(heap) < cap:
+                    try:
+                        item = next(self.source)
+                    except StopIteration:
+                        self._draining = True
+                        break
+                    length = self._len_fn(item)
+                    if length < self._min_len or (self._max_len is not None and length > self._max_len):
+                        continue
+                    heapq.heappush(heap, (length, self._arrivals, item))
+                    self._arrivals += 1
+            if not heap:
+                if self._batch:
+                    out, self._batch = self._batch, []
+                    self._batch_tokens = self._batch_max = 0
+                    return out
+                raise StopIteration
+            out_batch = self._pop_one()
+            if out_batch is not None:
+                return out_batch
+
+    def _pop_one(self) -> list[Any] | None:
+        """Move the shortest buffered item into the batch; return the batch it
+        displaced when it would overflow ``max_tokens``."""
+        length, _, item = heapq.heappop(self._heap)
+        if self._padding:
+            longest = max(length, self._batch_max)
+            tokens = (len(self._batch) + 1) * longest
+        else:
+            longest = max(length, self._batch_max)
+            tokens = self._batch_tokens + length
+        if tokens > self._max_tokens and self._batch:
+            out = self._batch
+            self._batch = [item]
+            self._batch_tokens = length
+            self._batch_max = length
+            return out
+        self._batch.append(item)
+        self._batch_tokens = tokens if not self._padding else self._batch_tokens + length
+        self._batch_max = longest
+        if tokens > self._max_tokens:
+            # A lone item longer than max_tokens goes out by itself.
+            out, self._batch = self._batch, []
+            self._batch_tokens = self._batch_max = 0
+            return out
+        return None
+
+    def own_state(self) -> dict[str, Any]:
+        return {
+            HEAP_KEY: list(self._heap),
+            BATCH_KEY: list(self._batch),
+            BATCH_TOKENS_KEY: self._batch_tokens,
+            BATCH_MAX_KEY: self._batch_max,
+            ARRIVALS_KEY: self._arrivals,
+            DRAINING_KEY: self._draining,
+        }
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        self._clear()
+        if state is None:
+            return
+        self._heap = [(int(n), int(i), item) for n, i, item in state[HEAP_KEY]]
+        heapq.heapify(self._heap)
+        self._batch = list(state[BATCH_KEY])
+        self._batch_tokens = int(state[BATCH_TOKENS_KEY])
+        self._batch_max = int(state[BATCH_MAX_KEY])
+        self._arrivals = int(state[ARRIVALS_KEY])
+        self._draining = bool(state[DRAINING_KEY])
+
+    def query_state(self) -> dict[str, Any]:
+        return {
+            "buffered": len(self._heap),
+            "batch_items": len(self._batch),
+            "batch_tokens": self._batch_tokens,
+            "seen": self._arrivals,
+            "draining": self._draining,
+        }

@@ -1,0 +1,54 @@
+"""``count``: passes items through and keeps queryable totals.
+
+State ``{"items": n, "weight": w}``; ``weight`` sums ``weight_fn(item)``, or
+counts items without one. Placed before ``shard()``, it counts the whole
+central stream on every rank — the pre-shard progress a progress bar shows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torchdata.nodes import BaseNode
+
+from centralpipe.stages.base import CentralNode, RunContext
+
+__all__ = ["Count"]
+
+ITEMS_KEY = "items"
+WEIGHT_KEY = "weight"
+
+
+class Count(CentralNode[Any]):
+    kind = "count"
+
+    def __init__(
+        self,
+        source: BaseNode[Any],
+        weight_fn: Callable[[Any], float] | None,
+        *,
+        name: str,
+        ctx: RunContext,
+    ) -> None:
+        super().__init__(source, name=name, ctx=ctx)
+        self._weight_fn = weight_fn
+        self.items = 0
+        self.weight: float = 0
+
+    def produce(self) -> Any:
+        assert self.source is not None
+        item = next(self.source)
+        self.weight += 1 if self._weight_fn is None else self._weight_fn(item)
+        self.items += 1
+        return item
+
+    def totals(self) -> tuple[int, float]:
+        return (self.items, self.weight)
+
+    def own_state(self) -> dict[str, Any]:
+        return {ITEMS_KEY: self.items, WEIGHT_KEY: self.weight}
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        self.items = 0 if state is None else int(state[ITEMS_KEY])
+        self.weight = 0 if state is None else state[WEIGHT_KEY]

@@ -1,0 +1,190 @@
+"""Source stages: iterables, map-style datasets, torchdata nodes and file lists.
+
+Each resumes without replay where it can: sequences, datasets and file lists by
+index. A re-iterable without indexing (a zero-argument factory, or an object
+whose ``iter()`` is fresh each time) resumes by skipping forward over the items
+already yielded — which re-reads them, so prefer a sequence for large sources.
+"""
+
+from __future__ import annotations
+
+import glob as globlib
+import hashlib
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+from torchdata.nodes import BaseNode
+
+from centralpipe.errors import CheckpointError, PipelineError
+from centralpipe.stages.base import CentralNode, RunContext
+
+__all__ = ["DatasetSource", "FilesSource", "IterableSource", "NodeSource"]
+
+INDEX_KEY = "index"
+FILES_KEY = "files"
+NODE_KEY = "node"
+
+
+class IterableSource(CentralNode[Any]):
+    """Items of a sequence (by index) or of a re-iterable (by skipping forward)."""
+
+    kind = "iterable"
+
+    def __init__(self, iterable: Any, mode: str, *, name: str, ctx: RunContext) -> None:
+        super().__init__(None, name=name, ctx=ctx)
+        self._iterable = iterable
+        self._mode = mode
+        self._index = 0
+        self._it: Iterator[Any] | None = None
+
+    def produce(self) -> Any:
+        if self._mode == "sequence":
+            if self._index >= len(self._iterable):
+                raise StopIteration
+            item = self._iterable[self._index]
+        else:
+            assert self._it is not None  # set by restore()
+            item = next(self._it)
+        self._index += 1
+        return item
+
+    def own_state(self) -> dict[str, Any]:
+        return {INDEX_KEY: self._index}
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        self._index = 0 if state is None else int(state[INDEX_KEY])
+        if self._mode != "sequence":
+            self._it = iter(self._iterable() if self._mode == "factory" else self._iterable)
+            if self._index:
+                # One-shot sources cannot seek: skip what was already yielded.
+                skipped = sum(1 for _ in itertools.islice(self._it, self._index))
+                if skipped < self._index:
+                    msg = (
+                        f"stage '{self.name}': checkpoint is at item {self._index} but the "
+                        f"iterable now has only {skipped} items."
+                    )
+                    raise CheckpointError(msg)
+
+    def length(self) -> int | None:
+        return len(self._iterable) if self._mode == "sequence" else None
+
+
+class DatasetSource(CentralNode[Any]):
+    """``dataset[i]`` in index order."""
+
+    kind = "dataset"
+
+    def __init__(self, dataset: Any, *, name: str, ctx: RunContext) -> None:
+        super().__init__(None, name=name, ctx=ctx)
+        self._dataset = dataset
+        self._index = 0
+
+    def produce(self) -> Any:
+        if self._index >= len(self._dataset):
+            raise StopIteration
+        item = self._dataset[self._index]
+        self._index += 1
+        return item
+
+    def own_state(self) -> dict[str, Any]:
+        return {INDEX_KEY: self._index}
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        self._index = 0 if state is None else int(state[INDEX_KEY])
+
+    def length(self) -> int:
+        return len(self._dataset)
+
+
+class NodeSource(CentralNode[Any]):
+    """A user's ``BaseNode``: its own ``state_dict()`` is the state."""
+
+    kind = "node"
+
+    def __init__(self, node: BaseNode[Any], *, name: str, ctx: RunContext) -> None:
+        super().__init__(None, name=name, ctx=ctx)
+        self._node = node
+
+    def produce(self) -> Any:
+        return next(self._node)
+
+    def own_state(self) -> dict[str, Any]:
+        return {NODE_KEY: self._node.state_dict()}
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        self._node.reset(None if state is None else state[NODE_KEY])
+
+
+class FilesSource(CentralNode[str]):
+    """Paths from a glob (sorted) or a list (in order), resolved once by
+    :meth:`prepare` when the Loader starts."""
+
+    kind = "files"
+
+    def __init__(
+        self,
+        *,
+        glob: str | None = None,
+        paths: tuple[str, ...] | None = None,
+        name: str,
+        ctx: RunContext,
+    ) -> None:
+        super().__init__(None, name=name, ctx=ctx)
+        self._glob = glob
+        self._paths: tuple[str, ...] | None = paths
+        self._digest = _digest(paths) if paths is not None else ""
+        self._index = 0
+
+    def prepare(self) -> None:
+        """Resolve the glob; one matching nothing is a ``PipelineError``."""
+        if self._paths is not None:
+            return
+        assert self._glob is not None
+        matches = tuple(sorted(globlib.glob(self._glob, recursive=True)))
+        if not matches:
+            msg = (
+                f"stage '{self.name}': the glob {self._glob!r} matches no file; "
+                "check the path and the working directory."
+            )
+            raise PipelineError(msg)
+        self._paths = matches
+        self._digest = _digest(matches)
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        self.prepare()
+        assert self._paths is not None
+        return self._paths
+
+    def produce(self) -> str:
+        paths = self.paths
+        if self._index >= len(paths):
+            raise StopIteration
+        path = paths[self._index]
+        self._index += 1
+        return path
+
+    def own_state(self) -> dict[str, Any]:
+        return {INDEX_KEY: self._index, FILES_KEY: self._digest}
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        self.prepare()
+        if state is None:
+            self._index = 0
+            return
+        if state.get(FILES_KEY) != self._digest:
+            msg = (
+                f"stage '{self.name}': the file list changed since the checkpoint "
+                f"(checkpoint digest {state.get(FILES_KEY)!r}, now {self._digest!r} for "
+                f"{len(self.paths)} files); resuming would read the wrong files."
+            )
+            raise CheckpointError(msg)
+        self._index = int(state[INDEX_KEY])
+
+    def length(self) -> int:
+        return len(self.paths)
+
+
+def _digest(paths: tuple[str, ...]) -> str:
+    return hashlib.sha1("\0".join(paths).encode("utf-8", "surrogateescape")).hexdigest()[:16]

@@ -1,0 +1,80 @@
+"""Central ``map``, ``filter`` and ``flat_map``.
+
+``map`` and ``filter`` keep no state of their own. ``flat_map`` keeps the
+outputs of the current input that were not yet emitted, so a checkpoint in the
+middle of one input's outputs resumes exactly without calling ``fn`` again.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torchdata.nodes import BaseNode
+
+from centralpipe.stages.base import CentralNode, RunContext
+
+__all__ = ["Filter", "FlatMap", "Map"]
+
+PENDING_KEY = "pending"
+
+
+class Map(CentralNode[Any]):
+    kind = "map"
+
+    def __init__(
+        self, source: BaseNode[Any], fn: Callable[[Any], Any], *, name: str, ctx: RunContext
+    ) -> None:
+        super().__init__(source, name=name, ctx=ctx)
+        self._fn = fn
+
+    def produce(self) -> Any:
+        assert self.source is not None
+        return self._fn(next(self.source))
+
+
+class Filter(CentralNode[Any]):
+    kind = "filter"
+
+    def __init__(
+        self, source: BaseNode[Any], pred: Callable[[Any], bool], *, name: str, ctx: RunContext
+    ) -> None:
+        super().__init__(source, name=name, ctx=ctx)
+        self._pred = pred
+
+    def produce(self) -> Any:
+        assert self.source is not None
+        pred, source = self._pred, self.source
+        while True:
+            item = next(source)
+            if pred(item):
+                return item
+
+
+class FlatMap(CentralNode[Any]):
+    kind = "flat_map"
+
+    def __init__(
+        self,
+        source: BaseNode[Any],
+        fn: Callable[[Any], Iterable[Any]],
+        *,
+        name: str,
+        ctx: RunContext,
+    ) -> None:
+        super().__init__(source, name=name, ctx=ctx)
+        self._fn = fn
+        self._pending: deque[Any] = deque()
+
+    def produce(self) -> Any:
+        assert self.source is not None
+        while not self._pending:
+            self._pending.extend(self._fn(next(self.source)))
+        return self._pending.popleft()
+
+    def own_state(self) -> dict[str, Any]:
+        return {PENDING_KEY: list(self._pending)}
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        self._pending = deque(() if state is None else state[PENDING_KEY])

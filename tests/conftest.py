@@ -1,0 +1,69 @@
+"""Fixtures shared by every test: leak checks and a small text corpus."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests._leaks import (
+    describe,
+    kill_processes,
+    live_descendants,
+    wait_for_new_processes,
+    wait_for_new_threads,
+)
+
+LEAK_WAIT_S = 5.0
+
+# File name -> exact bytes. Names sort in this order.
+CORPUS: dict[str, bytes] = {
+    "a_empty.txt": b"",
+    "b_no_trailing_newline.txt": b"alpha\nbeta\ngamma",
+    "c_unicode_crlf.txt": "naïve café\r\nЖёлтый 日本語 🙂\r\n\r\nlast line\r\n".encode(),
+}
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_children() -> Iterator[None]:
+    """Fail a test that leaves child processes or non-daemon threads running.
+
+    Processes and threads get ``LEAK_WAIT_S`` to finish after the test; leaked
+    processes are then killed so the failure does not spill into later tests.
+    """
+    processes_before = live_descendants()
+    threads_before = set(threading.enumerate())
+    yield
+    problems = []
+    leaked = wait_for_new_processes(processes_before, LEAK_WAIT_S)
+    if leaked:
+        problems.append(
+            f"{len(leaked)} child process(es) still running {LEAK_WAIT_S:g} s after the "
+            f"test (now killed):\n{describe(leaked)}"
+        )
+        kill_processes(leaked)
+    threads = wait_for_new_threads(threads_before, LEAK_WAIT_S)
+    if threads:
+        names = ", ".join(repr(t.name) for t in threads)
+        problems.append(
+            f"{len(threads)} non-daemon thread(s) still alive {LEAK_WAIT_S:g} s after the "
+            f"test: {names}"
+        )
+    if problems:
+        pytest.fail("\n".join(problems), pytrace=False)
+
+
+@pytest.fixture
+def tmp_corpus(tmp_path: Path) -> list[str]:
+    """Three small text files: empty, no trailing newline, non-ASCII with CRLF.
+
+    Returns their paths as strings, sorted. Contents are in ``CORPUS``.
+    """
+    paths = []
+    for name, data in CORPUS.items():
+        path = tmp_path / name
+        path.write_bytes(data)
+        paths.append(str(path))
+    return sorted(paths)

@@ -302,6 +302,14 @@ class Loader(Generic[T]):
             return run.worker_states()
         return _ask_idle_pool(self._ensure_pool())
 
+    def worker_pids(self) -> list[int]:
+        """Process ids of the live workers (empty before the first iteration
+        and with ``num_workers=0``), e.g. for monitoring."""
+        pool = self._res.pool
+        if pool is None:
+            return []
+        return [s.process.pid for s in pool.slots if s.process is not None and s.process.is_alive()]
+
     # -- lifetime ------------------------------------------------------------------
 
     def close(self) -> None:

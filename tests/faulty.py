@@ -1,0 +1,104 @@
+"""Worker-stage functions that misbehave on purpose, for the fault tests.
+
+They live in their own module so that every start method can import them. The
+"once" variants use a marker file: the first worker to reach the item creates
+it and misbehaves; a replacement worker finds it and behaves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+
+def _first_time(marker: str) -> bool:
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.close(fd)
+    return True
+
+
+def identity(x: int) -> int:
+    return x
+
+
+def slow_identity(x: int) -> int:
+    time.sleep(0.002)
+    return x
+
+
+def kill_once(x: int, *, at: int, marker: str) -> int:
+    """SIGKILL this worker the first time item ``at`` arrives."""
+    if x == at and _first_time(marker):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x
+
+
+def kill_once_each(x: int, *, every: int, marker_dir: str) -> int:
+    """SIGKILL this worker the first time each multiple of ``every`` arrives."""
+    if x % every == 0 and _first_time(str(Path(marker_dir) / f"m{x}")):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x
+
+
+def segfault_once(x: int, *, at: int, marker: str) -> int:
+    if x == at and _first_time(marker):
+        ctypes.string_at(0)  # reads address 0: SIGSEGV
+    return x
+
+
+def segfault_always(x: int, *, at: int) -> int:
+    if x == at:
+        ctypes.string_at(0)
+    return x
+
+
+def exit_always(x: int, *, at: int, code: int = 3) -> int:
+    if x == at:
+        os._exit(code)
+    return x
+
+
+def hang_once(x: int, *, at: int, marker: str) -> int:
+    if x == at and _first_time(marker):
+        time.sleep(3600)
+    return x
+
+
+def hang_always(x: int, *, at: int) -> int:
+    if x == at:
+        time.sleep(3600)
+    return x
+
+
+class BadValue(ValueError):
+    pass
+
+
+def raise_at(x: int, *, at: frozenset[int]) -> int:
+    if x in at:
+        raise BadValue(f"bad item {x}")
+    return x
+
+
+def unpicklable_at(x: int, *, at: int) -> object:
+    if x == at:
+        return threading.Lock()
+    return x
+
+
+def central_raise_at(x: int, *, at: int) -> int:
+    if x == at:
+        raise KeyError(f"central failure at {x}")
+    return x
+
+
+def unpicklable_at_5(x: int) -> object:
+    """A central map whose item 5 cannot be sent to a worker."""
+    return threading.Lock() if x == 5 else x

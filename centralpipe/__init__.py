@@ -16,6 +16,7 @@ from centralpipe.errors import (
 )
 from centralpipe.loader import Loader
 from centralpipe.pipeline import Pipeline
+from centralpipe.progress import progress
 
 __all__ = [
     "CentralpipeError",
@@ -28,6 +29,7 @@ __all__ = [
     "PipelineError",
     "WorkerConfig",
     "WorkerError",
+    "progress",
 ]
 
 __version__ = "0.1.0"

@@ -99,6 +99,9 @@ class WorkerConfig:
         timeout_s: seconds one item may run in a worker before the worker is
             killed and the item retried once on a fresh worker.
         max_restarts: worker replacements allowed per epoch before ``WorkerError``.
+        item_retries: how often an item that killed or hung a worker is tried
+            again on a fresh worker before it is reported (or skipped with
+            ``on_error="skip"``) as a poison item.
         on_error: ``"raise"`` a ``WorkerError``, or ``"skip"`` the item (counted
             in ``metrics()["dispatch"]["skipped"]``).
         chunk_size: items per message to a worker; ``None`` adapts it to the
@@ -114,6 +117,7 @@ class WorkerConfig:
     )
     timeout_s: float | None = attrs.field(default=None, validator=_optional(_positive_number()))
     max_restarts: int = attrs.field(default=3, validator=_int(0))
+    item_retries: int = attrs.field(default=1, validator=_int(0))
     on_error: str = attrs.field(default="raise", validator=_choice(ON_ERROR))
     chunk_size: int | None = attrs.field(default=None, validator=_optional(_int(1)))
 
@@ -282,6 +286,9 @@ def _make_converter() -> cattrs.Converter:
         return value
 
     conv.register_structure_hook_func(lambda tp: not attrs.has(tp), passthrough)
+    # cattrs dispatches primitive classes before predicate hooks: override them too.
+    for primitive in (int, float, str, bool, bytes):
+        conv.register_structure_hook(primitive, passthrough)
     return conv
 
 

@@ -146,6 +146,7 @@ class Loader(Generic[T]):
             run_id=self._run_ids,
             timeout_s=w.timeout_s,
             max_restarts=w.max_restarts,
+            item_retries=w.item_retries,
             **common,
         )
 
@@ -164,10 +165,23 @@ class Loader(Generic[T]):
         n = central_length(self._nodes, self._pipe.central_stages, self._ctx)
         changing = [s.name for s in self._pipe.worker_stages if s.kind in ("filter", "flat_map")]
         if n is None or changing:
-            why = f"stage '{changing[0]}' changes the count" if changing else "a stage changes the count"
-            msg = f"the length of this pipeline is not known without iterating ({why})."
+            blocker = changing[0] if n is not None else self._length_blocker()
+            msg = (
+                f"the length of this pipeline is not known without iterating: stage "
+                f"'{blocker}' changes the number of items or has no length."
+            )
             raise TypeError(msg)
         return n
+
+    def _length_blocker(self) -> str:
+        keeps = ("map", "count", "shuffle", "batch", "shard")
+        for node, spec in zip(self._nodes, self._pipe.central_stages):
+            if spec.placement == "source":
+                if getattr(node, "length", lambda: None)() is None:
+                    return spec.name
+            elif spec.kind not in keeps:
+                return spec.name
+        return self._pipe.stages[0].name  # pragma: no cover
 
     # -- checkpoints -------------------------------------------------------------
 
@@ -278,8 +292,8 @@ class Loader(Generic[T]):
         out["dispatch"] = {
             "num_workers": w.num_workers,
             "dispatched": s.dispatched,
-            "delivered": s.delivered,
-            "buffered": run.in_flight if run is not None else 0,
+            "delivered": s.delivered + (run.delivered_in_chunk() if run is not None else 0),
+            "buffered": max(0, run.in_flight - run.delivered_in_chunk()) if run is not None else 0,
             "buffer_size": w.buffer_size,
             "buffer_high_water": s.high_water,
             "chunk_size": s.chunk_size,

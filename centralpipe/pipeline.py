@@ -172,14 +172,15 @@ class Pipeline:
     def read_lines(self, *, encoding: str = "utf-8", name: str | None = None) -> Pipeline:
         """Paths in, lines out (``str``, without ``\\n`` or a trailing ``\\r``);
         resumes by (file, byte offset) without re-reading."""
+        stage = name or self._default_name("read_lines")
         if not isinstance(encoding, str):
-            raise PipelineError(f"read_lines: `encoding` must be a str, got {encoding!r}.")
+            raise PipelineError(f"stage '{stage}': `encoding` must be a str, got {encoding!r}.")
         import codecs
 
         try:
             codecs.lookup(encoding)
         except LookupError:
-            raise PipelineError(f"read_lines: unknown encoding {encoding!r}.") from None
+            raise PipelineError(f"stage '{stage}': unknown encoding {encoding!r}.") from None
         return self._add("read_lines", name, "central", options={"encoding": encoding})
 
     def map(
@@ -257,7 +258,7 @@ class Pipeline:
         return self._add("shuffle", name, "central", options={"buffer_size": buffer_size})
 
     def count(
-        self, name: str | None = None, /, *, weight_fn: Callable[[Any], float] | None = None
+        self, name: str | None = None, *, weight_fn: Callable[[Any], float] | None = None
     ) -> Pipeline:
         """Pass items through, counting them: state ``{"items": n, "weight": w}``
         where ``w`` sums ``weight_fn(item)`` (or counts items)."""

@@ -332,3 +332,31 @@ def test_ctrl_c_in_consumer_ends_workers(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert proc.stderr is not None and "KeyboardInterrupt" in proc.stderr.read()
     assert not _wait_gone(pids, 10.0)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_checkpoint_after_central_exception_continues_after_the_item(workers: int) -> None:
+    """After a central stage raises, the checkpoint resumes right after the item
+    it raised on, in the same epoch (that item was consumed by the stage)."""
+    cfg = cp.LoaderConfig(workers=cp.WorkerConfig(num_workers=workers, start_method="fork"))
+    fn = functools.partial(faulty.central_raise_at, at=25)
+    pipe = cp.Pipeline.from_iterable(range(50)).map(fn, name="parse").dispatch().map(faulty.identity)
+    with cp.Loader(pipe, cfg) as loader:
+        with pytest.raises(KeyError):
+            list(loader)
+        sd = loader.state_dict()
+    assert sd["finished"] is False and sd["epoch"] == 1
+    with cp.Loader(pipe, cfg) as resumed:
+        resumed.load_state_dict(sd)
+        assert list(resumed) == list(range(26, 50))
+        assert resumed.epoch == 1
+
+
+def test_iterator_stops_right_after_close() -> None:
+    """An iterator of a closed loader raises at its next item, mid-chunk too."""
+    loader = _loader(faulty.identity, n=5000, workers=0)
+    it = iter(loader)
+    next(it)
+    loader.close()
+    with pytest.raises(RuntimeError, match="superseded"):
+        next(it)

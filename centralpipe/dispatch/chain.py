@@ -19,8 +19,8 @@ from centralpipe.seeding import derive_seed
 __all__ = ["ChunkResult", "StageFailure", "WorkerChain", "is_stateful"]
 
 # status slots shared with the main process (see dispatch.pool)
-STATUS_SEQ, STATUS_STARTED, STATUS_STAGE = 0, 1, 2
-STATUS_LEN = 3
+STATUS_SEQ, STATUS_STARTED, STATUS_STAGE, STATUS_READY = 0, 1, 2, 3
+STATUS_LEN = 4
 
 
 class StageFailure(NamedTuple):

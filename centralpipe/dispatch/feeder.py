@@ -49,12 +49,22 @@ class InlineRun(Run):
 class PoolRun(Run):
     """Worker stages run in the pool's processes; see the module docstring."""
 
-    def __init__(self, *, pool: WorkerPool, run_id: int, timeout_s: float | None, max_restarts: int, **kw: Any) -> None:
+    def __init__(
+        self,
+        *,
+        pool: WorkerPool,
+        run_id: int,
+        timeout_s: float | None,
+        max_restarts: int,
+        item_retries: int,
+        **kw: Any,
+    ) -> None:
         super().__init__(parallelism=len(pool.slots), **kw)
         self.pool = pool
         self.run_id = run_id
         self.timeout_s = timeout_s
         self.max_restarts = max_restarts
+        self.item_retries = item_retries
         self.resend: deque[Chunk] = deque()
         self.strikes: dict[int, int] = defaultdict(int)
         self.feeder_error: BaseException | None = None
@@ -186,6 +196,12 @@ class PoolRun(Run):
             proc.join(5.0)
         exitcode = proc.exitcode if proc is not None else None
         what = f"hung for more than timeout_s={self.timeout_s}" if hung else f"died ({describe_exit(exitcode)})"
+        if not hung and not slot.ready():
+            what += (
+                f" while starting up (start method '{self.pool.start_method}'; with forkserver "
+                "or spawn the main script must be guarded by `if __name__ == \"__main__\":` and "
+                "stage functions importable)"
+            )
         stage = None
         if stage_index is not None and 0 <= stage_index < len(self.chain.specs):
             stage = self.chain.specs[stage_index].name
@@ -202,7 +218,7 @@ class PoolRun(Run):
             raise WorkerError(msg, stage=stage, seq=seq, exitcode=exitcode)
         if seq is not None:
             self.strikes[seq] += 1
-            if self.strikes[seq] >= 2:
+            if self.strikes[seq] > self.item_retries:
                 self._poison(seq, stage, what, exitcode)
         with slot.send_lock:
             self.pool.replace(slot)
@@ -224,7 +240,7 @@ class PoolRun(Run):
             logger.warning("skipping %s", text)
             return
         self.broken = True
-        msg = f"{text}; an item is retried once on a fresh worker, then reported. Fix the item or use on_error='skip'."
+        msg = f"{text}; it was retried {self.item_retries} time(s) on a fresh worker (WorkerConfig.item_retries). Fix the item or use on_error='skip'."
         raise WorkerError(msg, stage=stage, seq=seq, exitcode=exitcode)
 
     def worker_states(self) -> list[Any]:

@@ -16,7 +16,13 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from centralpipe.dispatch import transport
-from centralpipe.dispatch.chain import STATUS_LEN, STATUS_SEQ, STATUS_STAGE, STATUS_STARTED
+from centralpipe.dispatch.chain import (
+    STATUS_LEN,
+    STATUS_READY,
+    STATUS_SEQ,
+    STATUS_STAGE,
+    STATUS_STARTED,
+)
 from centralpipe.dispatch.worker import MSG_STOP, WorkerSpec, worker_main
 
 __all__ = ["Slot", "WorkerPool", "describe_exit"]
@@ -52,6 +58,10 @@ class Slot:
         self.send_lock = threading.Lock()
         self.retired: list[Connection] = []
         self.items = 0
+
+    def ready(self) -> bool:
+        """The worker got as far as its receive loop."""
+        return bool(self.status[STATUS_READY])
 
     def busy_seq(self) -> tuple[int | None, int | None, float]:
         """(seq, stage index, started monotonic time) of the item in progress."""

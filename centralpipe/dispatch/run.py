@@ -320,11 +320,14 @@ class Run:
             else:
                 yield from self._deliver_failing(chunk, result, it)
             self._retire(chunk)
+        if self.central_error is not None:
+            # Not finished: a checkpoint now resumes after the item the central
+            # stage raised on (that item was consumed by the failing stage).
+            self.broken = True
+            self.stop()
+            raise self.central_error
         self.finished = True
         self.stop()
-        if self.central_error is not None:
-            self.broken = True
-            raise self.central_error
 
     def _deliver_failing(self, chunk: Chunk, result: ChunkResult, it: Iterator[Any]) -> Iterator[Any]:
         failed = {f.index: f for f in result.failures or ()}
@@ -449,10 +452,18 @@ class Run:
             return self.last_stamp
 
     def stop(self) -> None:
-        """Abandon or finish the run; idempotent."""
+        """Abandon or finish the run; idempotent. An iterator still delivering
+        a chunk stops at its next item and raises (see ``outputs``)."""
         with self.cond:
             self.stopping = True
+            it = self._cur_it
+            if it is not None and not self.finished:
+                it.__setstate__(len(self._cur_list))  # type: ignore[attr-defined]
             self.cond.notify_all()
+
+    def delivered_in_chunk(self) -> int:
+        """Outputs of the current chunk already delivered (for metrics)."""
+        return self._delivered_in_current() if self.current is not None else 0
 
 
 def add_central_note(exc: BaseException, stage: str) -> None:

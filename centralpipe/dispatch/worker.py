@@ -18,7 +18,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from centralpipe.dispatch import transport
-from centralpipe.dispatch.chain import ChunkResult, StageFailure, WorkerChain
+from centralpipe.dispatch.chain import STATUS_READY, ChunkResult, StageFailure, WorkerChain
 
 __all__ = ["MSG_CHUNK", "MSG_RESULT", "MSG_STATES", "MSG_STOP", "WorkerSpec", "worker_main"]
 
@@ -74,6 +74,7 @@ def worker_main(
         pass
     threading.Thread(target=_watchdog, args=(spec.main_pid,), daemon=True).start()
     chain = spec.chain
+    status[STATUS_READY] = 1.0
     while True:
         try:
             msg = transport.recv(conn)

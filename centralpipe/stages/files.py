@@ -76,6 +76,16 @@ class ReadLines(CentralNode[str]):
             )
             raise CheckpointError(msg)
         self._open(path, offset)
+        if offset:
+            assert self._file is not None
+            self._file.seek(offset - 1)
+            if self._file.read(1) != b"\n":
+                self._close()
+                msg = (
+                    f"stage '{self.name}': the checkpoint resumes {path!r} at byte {offset}, "
+                    "which is not the start of a line; the file changed since the checkpoint."
+                )
+                raise CheckpointError(msg)
 
     def release(self) -> None:
         self._close()

@@ -69,7 +69,9 @@ class Loader(Generic[T]):
         self._pipe = pipeline
         self._config = config
         dist = config.distributed
-        self._ctx = RunContext(seed=config.seed, epoch=0, rank=dist.rank, world_size=dist.world_size)
+        self._ctx = RunContext(
+            seed=config.seed, epoch=0, rank=dist.rank, world_size=dist.world_size
+        )
         self._nodes = build_central(pipeline.central_stages, self._ctx)
         self._by_name = {node.name: node for node in self._nodes}
         for node in self._nodes:
@@ -200,7 +202,13 @@ class Loader(Generic[T]):
             body = {
                 "central": {node.name: node.own_state() for node in self._nodes},
                 "next_seq": 0,
-                "in_flight": {"first_seq": 0, "items": [], "stamps": None, "skip_outputs": 0, "skip": []},
+                "in_flight": {
+                    "first_seq": 0,
+                    "items": [],
+                    "stamps": None,
+                    "skip_outputs": 0,
+                    "skip": [],
+                },
                 "delivered_stamp": None,
                 "finished": True,
             }
@@ -229,6 +237,7 @@ class Loader(Generic[T]):
             world_size=dist.world_size,
         )
         self._res.end_run()
+        self._resume = None  # a failed load leaves no earlier checkpoint pending
         sd = _copy_state(state_dict)
         self._ctx.epoch = sd["epoch"]
         try:
@@ -237,9 +246,12 @@ class Loader(Generic[T]):
             self._nodes[-1].load_flat(None)
             raise
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
-            self._nodes[-1].load_flat(None)
             stage = next((n.name for n in self._nodes if not _restores(n, sd["central"])), "?")
-            msg = f"damaged checkpoint: the state of stage '{stage}' cannot be restored: {type(exc).__name__}: {exc}"
+            self._nodes[-1].load_flat(None)
+            msg = (
+                f"damaged checkpoint: the state of stage '{stage}' cannot be restored: "
+                f"{type(exc).__name__}: {exc}"
+            )
             raise CheckpointError(msg) from exc
         self.epoch = sd["epoch"]
         self._resume = sd
@@ -253,7 +265,11 @@ class Loader(Generic[T]):
         if node is None:
             known = ", ".join(repr(n) for n in self._by_name)
             workers = [s.name for s in self._pipe.worker_stages]
-            hint = f" ({name!r} is a worker stage; worker stages keep no state)" if name in workers else ""
+            hint = (
+                f" ({name!r} is a worker stage; worker stages keep no state)"
+                if name in workers
+                else ""
+            )
             raise KeyError(f"no central stage named {name!r}{hint}; central stages: {known}.")
         run = self._res.run
         if delivered:

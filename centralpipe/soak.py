@@ -81,7 +81,12 @@ def _children() -> list[int]:
                 cmd = f.read()
         except OSError:
             continue
-        if fields[1] == me and fields[0] != "Z" and b"forkserver" not in cmd and b"resource_tracker" not in cmd:
+        if (
+            fields[1] == me
+            and fields[0] != "Z"
+            and b"forkserver" not in cmd
+            and b"resource_tracker" not in cmd
+        ):
             out.append(int(entry))
     return out
 
@@ -111,16 +116,22 @@ def _one_round(rng: random.Random, totals: Totals, tmp: Path) -> None:
     n = rng.randrange(200, 3000)
     shuffle, batch = rng.randrange(1, 64), rng.randrange(1, 9)
     marker_dir = tempfile.mkdtemp(dir=tmp)
-    fn = functools.partial(chaos, main_pid=os.getpid(), marker_dir=marker_dir, kill_mod=rng.choice([0, 101, 333]))
+    fn = functools.partial(
+        chaos, main_pid=os.getpid(), marker_dir=marker_dir, kill_mod=rng.choice([0, 101, 333])
+    )
     pipe = _pipeline(n, shuffle, batch, fn)
     first = _config(rng, rng.choice([1, 2, 3]))
-    reference_cfg = cp.LoaderConfig(workers=cp.WorkerConfig(num_workers=0, on_error="skip"), seed=first.seed)
+    reference_cfg = cp.LoaderConfig(
+        workers=cp.WorkerConfig(num_workers=0, on_error="skip"), seed=first.seed
+    )
+    ref: cp.Loader[int]
     with cp.Loader(pipe, reference_cfg) as ref:
         expected = list(ref)
     got: list[int] = []
     cfg = first
     state: dict[str, Any] | None = None
     while True:
+        loader: cp.Loader[int]
         with cp.Loader(pipe, cfg) as loader:
             if state is not None:
                 loader.load_state_dict(state)
@@ -156,15 +167,20 @@ def _one_round(rng: random.Random, totals: Totals, tmp: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m centralpipe soak", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m centralpipe soak", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--minutes", type=float, default=5.0, help="how long to run (default 5)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    logging.getLogger("centralpipe").setLevel(logging.ERROR if not os.environ.get("SOAK_VERBOSE") else logging.WARNING)
+    logging.getLogger("centralpipe").setLevel(
+        logging.ERROR if not os.environ.get("SOAK_VERBOSE") else logging.WARNING
+    )
     rng = random.Random(args.seed)
     totals = Totals()
     # Start the forkserver (and resource tracker) first: they live for the
     # whole process and are not leaks.
+    loader: cp.Loader[Any]
     warm = cp.LoaderConfig(workers=cp.WorkerConfig(num_workers=1, start_method="forkserver"))
     with cp.Loader(cp.Pipeline.from_iterable(range(3)).dispatch().map(unbatch), warm) as loader:
         list(loader)
@@ -184,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  wrong order     : {totals.misordered} epochs")
     print(f"  worker restarts : {totals.restarts} ({totals.outside_kills} kills from outside)")
     print(f"  skipped (raised): {totals.skipped}")
-    print(f"  resumes         : {totals.resumes} ({totals.closed_mid_epoch} loaders closed mid-epoch)")
+    print(
+        f"  resumes         : {totals.resumes} ({totals.closed_mid_epoch} loaders closed mid-epoch)"
+    )
     print(f"  open fds        : {fds_before} before, {fds_after} after")
     print(f"  child processes : {children_before} before, {children_after} after")
     ok = (

@@ -26,9 +26,7 @@ def _loader(fn: Any, *, n: int = N, workers: int = 2, **kw: Any) -> cp.Loader[An
     return cp.Loader(cp.Pipeline.from_iterable(range(n)).dispatch().map(fn), cfg)
 
 
-WORKERS_AND_BUFFERS = [
-    pytest.param(w, b, id=f"{w}w-buf{b}") for w in (1, 2, 4) for b in (8, None)
-]
+WORKERS_AND_BUFFERS = [pytest.param(w, b, id=f"{w}w-buf{b}") for w in (1, 2, 4) for b in (8, None)]
 
 
 @pytest.mark.parametrize(("workers", "buffer"), WORKERS_AND_BUFFERS)
@@ -174,8 +172,11 @@ def test_unpicklable_result_names_the_stage() -> None:
 def test_unpicklable_central_item_names_the_dispatch_stage() -> None:
     """A central item that cannot be sent to a worker is a WorkerError at 'dispatch'."""
     cfg = cp.LoaderConfig(workers=cp.WorkerConfig(num_workers=2, start_method="fork"))
-    pipe = cp.Pipeline.from_iterable(range(10)).map(faulty.unpicklable_at_5).dispatch().map(
-        faulty.identity
+    pipe = (
+        cp.Pipeline.from_iterable(range(10))
+        .map(faulty.unpicklable_at_5)
+        .dispatch()
+        .map(faulty.identity)
     )
     with cp.Loader(pipe, cfg) as loader, pytest.raises(cp.WorkerError, match="pickled") as info:
         list(loader)
@@ -187,7 +188,9 @@ def test_central_exception_keeps_its_type_and_names_the_stage(workers: int) -> N
     """An exception in a central stage reaches the consumer unchanged, with a note."""
     cfg = cp.LoaderConfig(workers=cp.WorkerConfig(num_workers=workers, start_method="fork"))
     fn = functools.partial(faulty.central_raise_at, at=25)
-    pipe = cp.Pipeline.from_iterable(range(50)).map(fn, name="parse").dispatch().map(faulty.identity)
+    pipe = (
+        cp.Pipeline.from_iterable(range(50)).map(fn, name="parse").dispatch().map(faulty.identity)
+    )
     out: list[int] = []
     with cp.Loader(pipe, cfg) as loader, pytest.raises(KeyError) as info:
         for x in loader:
@@ -278,7 +281,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _run_script(tmp_path: Path, start_method: str, mode: str) -> tuple[subprocess.Popen[str], list[int]]:
+def _run_script(
+    tmp_path: Path, start_method: str, mode: str
+) -> tuple[subprocess.Popen[str], list[int]]:
     script = tmp_path / "victim.py"
     script.write_text(textwrap.dedent(_SCRIPT))
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
@@ -340,7 +345,9 @@ def test_checkpoint_after_central_exception_continues_after_the_item(workers: in
     it raised on, in the same epoch (that item was consumed by the stage)."""
     cfg = cp.LoaderConfig(workers=cp.WorkerConfig(num_workers=workers, start_method="fork"))
     fn = functools.partial(faulty.central_raise_at, at=25)
-    pipe = cp.Pipeline.from_iterable(range(50)).map(fn, name="parse").dispatch().map(faulty.identity)
+    pipe = (
+        cp.Pipeline.from_iterable(range(50)).map(fn, name="parse").dispatch().map(faulty.identity)
+    )
     with cp.Loader(pipe, cfg) as loader:
         with pytest.raises(KeyError):
             list(loader)

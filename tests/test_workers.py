@@ -50,7 +50,7 @@ def _mixed() -> cp.Pipeline:
         .flat_map(_pair)
         .map(sum)
         .map(_noisy, with_rng=True)
-        .filter(lambda v: True)  # noqa: ARG005 - fork start method: lambdas are fine
+        .filter(lambda v: True)
     )
 
 
@@ -82,7 +82,9 @@ def test_resume_exact_across_worker_counts(before: int, after: int) -> None:
         .flat_map(_pair)
         .map(_noisy, with_rng=True)
     )
-    assert_resumes_exactly(pipe, _cfg(before, buffer_size=10, chunk_size=3), resume_config=_cfg(after))
+    assert_resumes_exactly(
+        pipe, _cfg(before, buffer_size=10, chunk_size=3), resume_config=_cfg(after)
+    )
 
 
 def test_unlimited_buffer_with_large_bucket_buffer() -> None:
@@ -126,7 +128,9 @@ def test_bounded_buffer_is_respected() -> None:
 @pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
 def test_every_start_method_gives_the_same_output(start_method: str) -> None:
     """fork, forkserver and spawn give identical output (module-level functions)."""
-    pipe = cp.Pipeline.from_iterable(range(100)).dispatch().flat_map(_pair).map(_noisy, with_rng=True)
+    pipe = (
+        cp.Pipeline.from_iterable(range(100)).dispatch().flat_map(_pair).map(_noisy, with_rng=True)
+    )
     assert _run(pipe, _cfg(2, start_method=start_method)) == _run(pipe, _cfg(0))
 
 
@@ -134,7 +138,7 @@ def test_every_start_method_gives_the_same_output(start_method: str) -> None:
 def test_unpicklable_stage_function_names_the_stage(start_method: str) -> None:
     """A lambda with a pickling start method fails before any worker starts."""
     pipe = cp.Pipeline.from_iterable(range(3)).dispatch().map(lambda x: x, name="bad_fn")
-    with pytest.raises(cp.PipelineError, match="bad_fn.*cannot be pickled"):
+    with pytest.raises(cp.PipelineError, match=r"bad_fn.*cannot be pickled"):
         cp.Loader(pipe, _cfg(2, start_method=start_method))
 
 

@@ -26,7 +26,7 @@ STATUS_LEN = 4
 class StageFailure(NamedTuple):
     """An exception raised by a worker stage for one input of a chunk."""
 
-    index: int  # input index within the chunk
+    at: int  # input index within the chunk
     stage: str
     exc_type: str
     message: str

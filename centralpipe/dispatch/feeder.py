@@ -41,7 +41,9 @@ class InlineRun(Run):
         chunk = self.pull_chunk()
         if chunk is None:
             return None
-        result = self.chain.run_chunk(self.epoch, chunk.first_seq, chunk.items, frozenset(chunk.skip))
+        result = self.chain.run_chunk(
+            self.epoch, chunk.first_seq, chunk.items, frozenset(chunk.skip)
+        )
         chunk.result = self.accept(chunk, result)
         return chunk
 
@@ -83,9 +85,13 @@ class PoolRun(Run):
         try:
             while True:
                 with self.cond:
-                    while not self.stopping and not self.resend and (
-                        self.exhausted
-                        or (self.buffer_size is not None and self.in_flight >= self.buffer_size)
+                    while (
+                        not self.stopping
+                        and not self.resend
+                        and (
+                            self.exhausted
+                            or (self.buffer_size is not None and self.in_flight >= self.buffer_size)
+                        )
                     ):
                         self.cond.wait(POLL_S)
                     if self.stopping:
@@ -93,8 +99,8 @@ class PoolRun(Run):
                     resend = list(self.resend)
                     self.resend.clear()
                 if resend:
-                    for chunk in resend:
-                        self._send(chunk)
+                    for old in resend:
+                        self._send(old)
                     continue
                 chunk = self.pull_chunk()
                 if chunk is not None:
@@ -109,11 +115,21 @@ class PoolRun(Run):
         with slot.send_lock:
             if chunk.sent_gen == slot.gen or chunk.result is not None or slot.conn is None:
                 return
-            msg = (MSG_CHUNK, self.run_id, chunk.cid, self.epoch, chunk.first_seq, chunk.items, frozenset(chunk.skip))
+            msg = (
+                MSG_CHUNK,
+                self.run_id,
+                chunk.cid,
+                self.epoch,
+                chunk.first_seq,
+                chunk.items,
+                frozenset(chunk.skip),
+            )
             try:
                 head, buffers = transport.dumps(msg)
             except Exception as exc:
-                text = f"an item from the central stages cannot be pickled to send to a worker: {exc}"
+                text = (
+                    f"an item from the central stages cannot be pickled to send to a worker: {exc}"
+                )
                 chunk.result = self.failure_result(chunk, text, exc)
                 return
             try:
@@ -195,11 +211,15 @@ class PoolRun(Run):
         if proc is not None:
             proc.join(5.0)
         exitcode = proc.exitcode if proc is not None else None
-        what = f"hung for more than timeout_s={self.timeout_s}" if hung else f"died ({describe_exit(exitcode)})"
+        what = (
+            f"hung for more than timeout_s={self.timeout_s}"
+            if hung
+            else f"died ({describe_exit(exitcode)})"
+        )
         if not hung and not slot.ready():
             what += (
                 f" while starting up (start method '{self.pool.start_method}'; with forkserver "
-                "or spawn the main script must be guarded by `if __name__ == \"__main__\":` and "
+                'or spawn the main script must be guarded by `if __name__ == "__main__":` and '
                 "stage functions importable)"
             )
         stage = None
@@ -207,7 +227,11 @@ class PoolRun(Run):
             stage = self.chain.specs[stage_index].name
         self.stats.restarts += 1
         self.stats.epoch_restarts += 1
-        where = f" on item seq {seq}" + (f" in stage '{stage}'" if stage else "") if seq is not None else ""
+        where = (
+            f" on item seq {seq}" + (f" in stage '{stage}'" if stage else "")
+            if seq is not None
+            else ""
+        )
         logger.warning("worker %d %s%s; replacing it", slot.index, what, where)
         if self.stats.epoch_restarts > self.max_restarts:
             self.broken = True
@@ -223,7 +247,9 @@ class PoolRun(Run):
         with slot.send_lock:
             self.pool.replace(slot)
         with self.cond:
-            self.resend.extend(c for c in self.pending if c.slot == slot.index and c.closed and c.result is None)
+            self.resend.extend(
+                c for c in self.pending if c.slot == slot.index and c.closed and c.result is None
+            )
             self.cond.notify_all()
 
     def _poison(self, seq: int, stage: str | None, what: str, exitcode: int | None) -> None:
@@ -240,7 +266,10 @@ class PoolRun(Run):
             logger.warning("skipping %s", text)
             return
         self.broken = True
-        msg = f"{text}; it was retried {self.item_retries} time(s) on a fresh worker (WorkerConfig.item_retries). Fix the item or use on_error='skip'."
+        msg = (
+            f"{text}; it was retried {self.item_retries} time(s) on a fresh worker "
+            "(WorkerConfig.item_retries). Fix the item or use on_error='skip'."
+        )
         raise WorkerError(msg, stage=stage, seq=seq, exitcode=exitcode)
 
     def worker_states(self) -> list[Any]:

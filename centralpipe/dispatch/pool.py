@@ -75,7 +75,7 @@ class WorkerPool:
     """``num_workers`` worker processes, started with ``start_method``."""
 
     def __init__(self, num_workers: int, start_method: str, spec: WorkerSpec) -> None:
-        self.ctx = mp.get_context(start_method)
+        self.ctx: Any = mp.get_context(start_method)
         self.start_method = start_method
         self.spec = spec
         self.slots = [Slot(i) for i in range(num_workers)]
@@ -148,19 +148,24 @@ class WorkerPool:
         self.closed = True
         self.current_run.value = 2**62  # workers skip whatever is still queued
         for slot in self.slots:
-            if slot.conn is not None and slot.process is not None and slot.process.is_alive():
-                if slot.send_lock.acquire(timeout=0.5):
-                    try:
-                        transport.send(slot.conn, (MSG_STOP,))
-                    except (OSError, ValueError):
-                        pass
-                    finally:
-                        slot.send_lock.release()
+            alive = slot.process is not None and slot.process.is_alive()
+            if slot.conn is not None and alive and slot.send_lock.acquire(timeout=0.5):
+                try:
+                    transport.send(slot.conn, (MSG_STOP,))
+                except (OSError, ValueError):
+                    pass
+                finally:
+                    slot.send_lock.release()
+        # Closing our ends first means a worker blocked writing a result gets
+        # EPIPE and exits at once instead of waiting to be terminated.
+        for slot in self.slots:
+            if slot.conn is not None:
+                slot.conn.close()
+                slot.conn = None
         for slot in self.slots:
             if slot.process is not None:
                 _reap(slot.process, graceful=True)
-            if slot.conn is not None:
-                slot.conn.close()
+                slot.process = None
         self.close_retired()
 
 

@@ -13,6 +13,7 @@ pending chunk — under ``lock``, always both or neither.
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 from collections import deque
@@ -274,7 +275,7 @@ class Run:
                 self.stats.skipped += 1
                 logger.warning(
                     "skipping item seq %d: worker stage '%s' raised %s: %s",
-                    chunk.first_seq + failure.index,
+                    chunk.first_seq + failure.at,
                     failure.stage,
                     failure.exc_type,
                     failure.message,
@@ -329,8 +330,10 @@ class Run:
         self.finished = True
         self.stop()
 
-    def _deliver_failing(self, chunk: Chunk, result: ChunkResult, it: Iterator[Any]) -> Iterator[Any]:
-        failed = {f.index: f for f in result.failures or ()}
+    def _deliver_failing(
+        self, chunk: Chunk, result: ChunkResult, it: Iterator[Any]
+    ) -> Iterator[Any]:
+        failed = {f.at: f for f in result.failures or ()}
         counts = result.counts or [1] * len(chunk.items)
         for i, n in enumerate(counts):
             f = failed.get(i)
@@ -340,7 +343,11 @@ class Run:
                 seq = chunk.first_seq + i
                 msg = f"worker stage '{f.stage}' raised {f.exc_type} on item seq {seq}: {f.message}"
                 raise WorkerError(
-                    msg, stage=f.stage, seq=seq, exc_type=f.exc_type, remote_traceback=f.traceback or None
+                    msg,
+                    stage=f.stage,
+                    seq=seq,
+                    exc_type=f.exc_type,
+                    remote_traceback=f.traceback or None,
                 )
             for _ in range(n):
                 yield next(it)
@@ -361,14 +368,14 @@ class Run:
         it = self._cur_it
         if it is None:
             return 0
-        return self._cur_base + len(self._cur_list) - it.__length_hint__()
+        return self._cur_base + len(self._cur_list) - operator.length_hint(it)
 
     def _split_current(self, chunk: Chunk) -> tuple[int, int, int]:
         """(first input not fully delivered, outputs of it delivered, input of
         the last delivered output or -1) for the chunk being delivered."""
         d = self._delivered_in_current() if chunk is self.current else 0
         result = chunk.result
-        if result is None or d == 0 and chunk is not self.current:
+        if result is None or (d == 0 and chunk is not self.current):
             return 0, 0, -1
         counts = result.counts
         if counts is None and result.failures is None:

@@ -137,7 +137,7 @@ def _drop_unpicklable(result: ChunkResult, chain: WorkerChain) -> ChunkResult:
             continue
         outputs.extend(mine)
         new_counts.append(n)
-    failures.sort(key=lambda f: f.index)
+    failures.sort(key=lambda f: f.at)
     return ChunkResult(outputs, new_counts, failures or None, result.elapsed_s)
 
 

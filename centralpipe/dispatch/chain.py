@@ -62,6 +62,40 @@ class WorkerChain:
         self._stages = [(s.kind, s.name, s.fn, bool(s.options.get("with_rng"))) for s in specs]
         # 1:1 chains (only maps/collates) skip the per-input output counts.
         self.one_to_one = all(kind in ("map", "collate") for kind, *_ in self._stages)
+        # Maps without rng run in a tight loop until one raises.
+        plain = self.one_to_one and not any(rng for *_, rng in self._stages)
+        self._plain_maps = [fn for _, _, fn, _ in self._stages] if plain else None
+
+    def _run_plain(
+        self, first_seq: int, items: Sequence[Any], outputs: list[Any], status: Any
+    ) -> int:
+        """Run plain map stages over ``items`` into ``outputs``; returns how
+        many items succeeded (all, or up to the first that raised)."""
+        fns = self._plain_maps
+        assert fns is not None
+        append = outputs.append
+        try:
+            if status is None:
+                if len(fns) == 1:
+                    (fn,) = fns
+                    for item in items:
+                        append(fn(item))
+                else:
+                    for item in items:
+                        for fn in fns:
+                            item = fn(item)
+                        append(item)
+            else:
+                for i, item in enumerate(items):
+                    status[STATUS_SEQ] = first_seq + i
+                    status[STATUS_STARTED] = time.monotonic()
+                    for k, fn in enumerate(fns):
+                        status[STATUS_STAGE] = k
+                        item = fn(item)
+                    append(item)
+        except Exception:
+            return len(outputs)
+        return len(items)
 
     def run_chunk(
         self,
@@ -76,9 +110,17 @@ class WorkerChain:
         outputs: list[Any] = []
         counts: list[int] = []
         failures: list[StageFailure] = []
+        begin = 0
+        if self._plain_maps is not None and not skip:
+            begin = self._run_plain(first_seq, items, outputs, status)
+            if begin == len(items):
+                if status is not None:
+                    status[STATUS_STARTED] = 0.0
+                return ChunkResult(outputs, None, None, time.perf_counter() - start)
+            counts = [1] * begin  # a stage raised at item ``begin``: go on item by item
         stages = self._stages
-        simple = self.one_to_one and not skip
-        for i, item in enumerate(items):
+        for i in range(begin, len(items)):
+            item = items[i]
             seq = first_seq + i
             if status is not None:
                 status[STATUS_SEQ] = seq
@@ -97,7 +139,6 @@ class WorkerChain:
                         StageFailure(i, name, type(exc).__name__, str(exc), traceback.format_exc())
                     )
                     values = []
-                    simple = False
                     break
             outputs.extend(values)
             counts.append(len(values))
@@ -105,7 +146,7 @@ class WorkerChain:
             status[STATUS_STARTED] = 0.0
         return ChunkResult(
             outputs,
-            None if simple else counts,
+            counts,
             failures or None,
             time.perf_counter() - start,
         )

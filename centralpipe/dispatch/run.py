@@ -36,6 +36,8 @@ LOCK_SLICE_S = 0.0005
 TARGET_CHUNK_S = 0.005
 MAX_CHUNK = 1024
 FIRST_CHUNK = 16
+#: Items pulled between two looks at the clock.
+PULL_BURST = 32
 
 
 class Chunk:
@@ -206,41 +208,42 @@ class Run:
         started = time.perf_counter()
         nxt = self.tip.next
         items, stamps = chunk.items, chunk.stamps
+        append = items.append
         while True:
             with self.lock:
                 if self.stopping:
                     break
                 t0 = time.perf_counter()
                 slice_end = t0 + LOCK_SLICE_S
-                while len(items) < target:
-                    if self._resume:
-                        seq, item, stamp = self._resume.popleft()
-                        if seq in self._resume_skip:
-                            chunk.skip.add(len(items))
-                        if seq == self._resume_skip_first[0]:
-                            chunk.skip_first = self._resume_skip_first[1]
-                        if stamps is not None:
-                            stamps.append(stamp if stamp is not None else self._stamp_now())
-                        items.append(item)
-                        self.in_flight += 1
-                        continue
-                    else:
-                        try:
-                            item = nxt()
-                        except StopIteration:
-                            self.exhausted = True
-                            break
-                        except BaseException as exc:  # a central stage failed
-                            self.central_error = exc
-                            self.exhausted = True
-                            break
-                        if stamps is not None:
-                            stamps.append(self._stamp_now())
-                    items.append(item)
-                    self.next_seq += 1
+                while self._resume and len(items) < target:
+                    seq, item, stamp = self._resume.popleft()
+                    if seq in self._resume_skip:
+                        chunk.skip.add(len(items))
+                    if seq == self._resume_skip_first[0]:
+                        chunk.skip_first = self._resume_skip_first[1]
+                    if stamps is not None:
+                        stamps.append(stamp if stamp is not None else self._stamp_now())
+                    append(item)
                     self.in_flight += 1
-                    if time.perf_counter() > slice_end:
-                        break
+                before = len(items)
+                try:
+                    while len(items) < target:
+                        # Pull in short bursts; look at the clock between them.
+                        for _ in range(min(PULL_BURST, target - len(items))):
+                            item = nxt()
+                            if stamps is not None:
+                                stamps.append(self._stamp_now())
+                            append(item)
+                        if time.perf_counter() > slice_end:
+                            break
+                except StopIteration:
+                    self.exhausted = True
+                except BaseException as exc:  # a central stage failed
+                    self.central_error = exc
+                    self.exhausted = True
+                added = len(items) - before
+                self.next_seq += added
+                self.in_flight += added
                 self.stats.wait_central_s += time.perf_counter() - t0
                 if self.in_flight > self.stats.high_water:
                     self.stats.high_water = self.in_flight

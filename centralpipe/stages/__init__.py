@@ -78,7 +78,7 @@ def central_length(nodes: Sequence[CentralNode[Any]], specs: Sequence[StageSpec]
     for node, spec in zip(nodes, specs):
         kind = spec.kind
         if kind in ("iterable", "dataset", "files"):
-            n = node.length()  # type: ignore[attr-defined]
+            n = node.length()
         elif kind in ("map", "count", "shuffle"):
             pass
         elif kind == "batch":

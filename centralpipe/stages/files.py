@@ -79,7 +79,8 @@ class ReadLines(CentralNode[str]):
         if offset:
             assert self._file is not None
             self._file.seek(offset - 1)
-            if self._file.read(1) != b"\n":
+            # A line ends at a "\n", or at the end of a file without a final "\n".
+            if self._file.read(1) != b"\n" and offset != size:
                 self._close()
                 msg = (
                     f"stage '{self.name}': the checkpoint resumes {path!r} at byte {offset}, "

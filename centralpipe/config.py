@@ -142,9 +142,7 @@ class DistributedConfig:
 
     def __attrs_post_init__(self) -> None:
         if self.rank >= self.world_size:
-            msg = (
-                f"`rank` must be in [0, world_size) = [0, {self.world_size}), got {self.rank}."
-            )
+            msg = f"`rank` must be in [0, world_size) = [0, {self.world_size}), got {self.rank}."
             raise ConfigError(msg)
 
     @classmethod
@@ -224,6 +222,13 @@ class LoaderConfig:
         if not isinstance(data, Mapping):
             msg = f"a LoaderConfig dict must be a mapping, got {type(data).__name__}."
             raise ConfigError(msg)
+        for section in ("workers", "distributed"):
+            if section in data and not isinstance(data[section], Mapping):
+                msg = (
+                    f"`{section}` must be a table/dict of {section} settings, "
+                    f"got {type(data[section]).__name__} {data[section]!r}."
+                )
+                raise ConfigError(msg)
         try:
             return _CONVERTER.structure(dict(data), cls)
         except ConfigError:

@@ -11,7 +11,7 @@ processes, or inline with ``num_workers=0``).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -97,6 +97,13 @@ class Pipeline:
                 "wrap it in a list if you mean one item, or use list(...) for its characters."
             )
             raise PipelineError(msg)
+        if isinstance(iterable, (set, frozenset, Mapping)):
+            msg = (
+                f"stage '{name}': from_iterable got a {type(iterable).__name__}, whose order "
+                "is not fixed across processes (resume skips forward by position); pass "
+                "sorted(...) or list(...) of it."
+            )
+            raise PipelineError(msg)
         if isinstance(iterable, Sequence) or _is_sequence_like(iterable):
             mode = "sequence"
         elif callable(iterable):
@@ -117,11 +124,17 @@ class Pipeline:
                 f"or a zero-argument callable, got {type(iterable).__name__}."
             )
             raise PipelineError(msg)
-        return cls((StageSpec("iterable", name, "source", options={"source": iterable, "mode": mode}),))
+        return cls(
+            (StageSpec("iterable", name, "source", options={"source": iterable, "mode": mode}),)
+        )
 
     @classmethod
     def from_files(
-        cls, paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], /, *, name: str = "files"
+        cls,
+        paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        /,
+        *,
+        name: str = "files",
     ) -> Pipeline:
         """File paths: a glob (matches sorted; resolved when the Loader starts) or
         a sequence of paths kept in the given order. Yields ``str`` paths."""
@@ -203,16 +216,23 @@ class Pipeline:
         """Keep the items for which ``pred(item)`` is true."""
         return self._add("filter", name, self._placement_for("filter"), fn=pred)
 
-    def flat_map(self, fn: Callable[[Any], Iterable[Any]], /, *, name: str | None = None) -> Pipeline:
+    def flat_map(
+        self, fn: Callable[[Any], Iterable[Any]], /, *, name: str | None = None
+    ) -> Pipeline:
         """Each item becomes the items of the iterable ``fn(item)``."""
         return self._add("flat_map", name, self._placement_for("flat_map"), fn=fn)
 
-    def batch(self, batch_size: int, /, *, drop_last: bool = False, name: str | None = None) -> Pipeline:
+    def batch(
+        self, batch_size: int, /, *, drop_last: bool = False, name: str | None = None
+    ) -> Pipeline:
         """Lists of ``batch_size`` items (the last may be shorter unless ``drop_last``)."""
         stage = name or self._default_name("batch")
         _check_int(batch_size, "batch_size", stage, 1)
         return self._add(
-            "batch", name, "central", options={"batch_size": batch_size, "drop_last": bool(drop_last)}
+            "batch",
+            name,
+            "central",
+            options={"batch_size": batch_size, "drop_last": bool(drop_last)},
         )
 
     def bucket_by_max_tokens(
@@ -292,7 +312,9 @@ class Pipeline:
 
     # -- worker stages ---------------------------------------------------------
 
-    def collate(self, fn: Callable[[Any], Any] | None = None, /, *, name: str | None = None) -> Pipeline:
+    def collate(
+        self, fn: Callable[[Any], Any] | None = None, /, *, name: str | None = None
+    ) -> Pipeline:
         """Worker stage: ``fn(item)`` (default ``torch.utils.data.default_collate``)
         on each item, typically a list made by ``batch()``."""
         stage = name or self._default_name("collate")

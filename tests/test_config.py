@@ -253,3 +253,9 @@ def test_resolved_start_method() -> None:
     """An explicit start method is kept; the default is forkserver or spawn."""
     assert cp.WorkerConfig(start_method="fork").resolved_start_method() == "fork"
     assert cp.WorkerConfig().resolved_start_method() in ("forkserver", "spawn")
+
+
+def test_from_dict_section_of_wrong_type_names_it() -> None:
+    """A section that is not a table says so, naming the section."""
+    with pytest.raises(cp.ConfigError, match="`workers` must be a table"):
+        cp.LoaderConfig.from_dict({"workers": 5})

@@ -488,3 +488,12 @@ def test_unpicklable_worker_function_is_named_before_workers_start() -> None:
     config = cp.LoaderConfig(workers=cp.WorkerConfig(num_workers=1, start_method="spawn"))
     with pytest.raises(cp.PipelineError, match=r"stage 'local_map'.*cannot be pickled"):
         cp.Loader(_local_map_pipeline(), config)
+
+
+@pytest.mark.parametrize(
+    "source", [{1, 2}, frozenset({1}), {"a": 1}], ids=["set", "frozenset", "dict"]
+)
+def test_from_iterable_refuses_unordered_collections(source: object) -> None:
+    """Sets and dicts have no order that survives a process restart: refused."""
+    with pytest.raises(cp.PipelineError, match="sorted"):
+        cp.Pipeline.from_iterable(source)

@@ -179,17 +179,16 @@ def test_from_node_outputs_and_resumes() -> None:
     assert state["central"]["node"] == {"node": {"_num_yielded": 2}}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: NodeSource (stages/sources.py) uses the user's node object itself, so two "
-    "Loaders built from one from_node() pipeline advance the same node",
-)
-def test_two_loaders_of_one_from_node_pipeline_are_independent() -> None:
-    """Loaders built from one pipeline do not share a position, also for `from_node`."""
+def test_a_node_serves_one_live_loader_at_a_time() -> None:
+    """A torchdata node is an iterator: a second live Loader over it is refused,
+    and allowed again once the first is closed."""
     pipe = cp.Pipeline.from_node(tn.IterableWrapper(range(6)))
-    with cp.Loader(pipe, LOCKSTEP) as a, cp.Loader(pipe, LOCKSTEP) as b:
-        ia, ib = iter(a), iter(b)
-        assert [next(ia), next(ia), next(ib), next(ia), next(ib)] == [0, 1, 0, 2, 1]
+    with cp.Loader(pipe, LOCKSTEP) as a:
+        assert list(a) == list(range(6))
+        with pytest.raises(cp.PipelineError, match="another live Loader"):
+            cp.Loader(pipe, LOCKSTEP)
+    with cp.Loader(pipe, LOCKSTEP) as b:
+        assert list(b) == list(range(6))
 
 
 def test_two_loaders_of_one_iterable_pipeline_are_independent() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob as globlib
 import hashlib
 import itertools
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -104,6 +105,16 @@ class NodeSource(CentralNode[Any]):
 
     def __init__(self, node: BaseNode[Any], *, name: str, ctx: RunContext) -> None:
         super().__init__(None, name=name, ctx=ctx)
+        # A torchdata node is an iterator: two live Loaders sharing one would
+        # each see part of its items.
+        owner = getattr(node, "_centralpipe_owner", None)
+        if owner is not None and owner() is not None:
+            msg = (
+                f"stage '{name}': this node is already read by another live Loader; "
+                "build each Loader's pipeline with its own node (or close the other Loader)."
+            )
+            raise PipelineError(msg)
+        node._centralpipe_owner = weakref.ref(ctx)  # type: ignore[attr-defined]
         self._node = node
 
     def produce(self) -> Any:
@@ -114,6 +125,12 @@ class NodeSource(CentralNode[Any]):
 
     def restore(self, state: dict[str, Any] | None) -> None:
         self._node.reset(None if state is None else state[NODE_KEY])
+
+    def release(self) -> None:
+        owner = getattr(self._node, "_centralpipe_owner", None)
+        if owner is not None and owner() is self.ctx:
+            self._node._centralpipe_owner = None  # type: ignore[attr-defined]
+        super().release()
 
 
 class FilesSource(CentralNode[str]):

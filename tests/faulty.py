@@ -102,3 +102,11 @@ def central_raise_at(x: int, *, at: int) -> int:
 def unpicklable_at_5(x: int) -> object:
     """A central map whose item 5 cannot be sent to a worker."""
     return threading.Lock() if x == 5 else x
+
+
+def big_input(i: int) -> bytes:
+    return bytes(106_000)
+
+
+def big_output(x: bytes) -> bytes:
+    return bytes(4_000_000)

@@ -367,3 +367,28 @@ def test_iterator_stops_right_after_close() -> None:
     loader.close()
     with pytest.raises(RuntimeError, match="superseded"):
         next(it)
+
+
+def test_close_returns_while_workers_are_blocked_on_full_pipes() -> None:
+    """close() is bounded even when workers are blocked writing large results that
+    nobody reads and their input pipes are full (unlimited buffer)."""
+    import threading
+
+    cfg = cp.LoaderConfig(
+        workers=cp.WorkerConfig(num_workers=2, buffer_size=None, chunk_size=1, start_method="fork")
+    )
+    for _ in range(3):
+        pipe = (
+            cp.Pipeline.from_iterable(range(6))
+            .map(faulty.big_input)
+            .dispatch()
+            .map(faulty.big_output)
+        )
+        loader = cp.Loader(pipe, cfg)
+        it = iter(loader)
+        next(it)
+        time.sleep(0.3)
+        closer = threading.Thread(target=loader.close)
+        closer.start()
+        closer.join(20)
+        assert not closer.is_alive(), "close() hung"

@@ -15,7 +15,6 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
-from centralpipe.dispatch import transport
 from centralpipe.dispatch.chain import (
     STATUS_LEN,
     STATUS_READY,
@@ -23,7 +22,7 @@ from centralpipe.dispatch.chain import (
     STATUS_STAGE,
     STATUS_STARTED,
 )
-from centralpipe.dispatch.worker import MSG_STOP, WorkerSpec, worker_main
+from centralpipe.dispatch.worker import WorkerSpec, worker_main
 
 __all__ = ["Slot", "WorkerPool", "describe_exit"]
 
@@ -142,22 +141,15 @@ class WorkerPool:
         self.current_run.value = run_id
 
     def close(self) -> None:
-        """Stop every worker; idempotent."""
+        """Stop every worker within bounded time; idempotent."""
         if self.closed:
             return
         self.closed = True
         self.current_run.value = 2**62  # workers skip whatever is still queued
-        for slot in self.slots:
-            alive = slot.process is not None and slot.process.is_alive()
-            if slot.conn is not None and alive and slot.send_lock.acquire(timeout=0.5):
-                try:
-                    transport.send(slot.conn, (MSG_STOP,))
-                except (OSError, ValueError):
-                    pass
-                finally:
-                    slot.send_lock.release()
-        # Closing our ends first means a worker blocked writing a result gets
-        # EPIPE and exits at once instead of waiting to be terminated.
+        # No stop message: a blocking send could wait forever on a worker that
+        # is itself blocked writing a result nobody reads. Closing our ends is
+        # the signal: a worker reading gets EOF, one writing gets EPIPE, and
+        # one busy in user code is terminated after the join timeout.
         for slot in self.slots:
             if slot.conn is not None:
                 slot.conn.close()

@@ -115,12 +115,17 @@ def validate(
         raise CheckpointError(msg)
     for name in central_names:
         if not isinstance(central[name], Mapping):
-            msg = f"damaged checkpoint: state of stage '{name}' should be a dict, got {type(central[name]).__name__}."
+            msg = (
+                f"damaged checkpoint: state of stage '{name}' should be a dict, "
+                f"got {type(central[name]).__name__}."
+            )
             raise CheckpointError(msg)
     in_flight = sd["in_flight"]
     _check_keys(in_flight, _IN_FLIGHT, "in_flight: ")
     stamps = in_flight.get("stamps")
-    if stamps is not None and (not isinstance(stamps, list) or len(stamps) != len(in_flight["items"])):
+    if stamps is not None and (
+        not isinstance(stamps, list) or len(stamps) != len(in_flight["items"])
+    ):
         raise CheckpointError("damaged checkpoint: in_flight stamps do not match its items.")
     if in_flight["first_seq"] + len(in_flight["items"]) > sd["next_seq"]:
         raise CheckpointError("damaged checkpoint: in_flight items go past next_seq.")

@@ -270,7 +270,7 @@ def _config_error_from(exc: BaseException) -> ConfigError:
     for _, leaf in leaves:
         if isinstance(leaf, ConfigError):
             return leaf
-    for path, leaf in leaves:
+    for _, leaf in leaves:
         if isinstance(leaf, cattrs.ForbiddenExtraKeysError):
             keys = ", ".join(sorted(repr(k) for k in leaf.extra_fields))
             known = ", ".join(f.name for f in attrs.fields(leaf.cl))

@@ -176,7 +176,10 @@ class Pipeline:
         """Any ``torchdata.nodes.BaseNode``; its own ``state_dict`` is checkpointed."""
         _check_name(name)
         if not isinstance(node, BaseNode):
-            msg = f"stage '{name}': from_node needs a torchdata.nodes.BaseNode, got {type(node).__name__}."
+            msg = (
+                f"stage '{name}': from_node needs a torchdata.nodes.BaseNode, "
+                f"got {type(node).__name__}."
+            )
             raise PipelineError(msg)
         return cls((StageSpec("node", name, "source", options={"source": node}),))
 
@@ -397,9 +400,7 @@ class Pipeline:
                 "filter, flat_map and collate run in workers."
             )
             raise PipelineError(msg)
-        if fn is not None:
-            _check_callable(fn, "the function", stage)
-        elif kind in ("map", "filter", "flat_map"):
+        if fn is not None or kind in ("map", "filter", "flat_map"):
             _check_callable(fn, "the function", stage)
         taken = {s.name for s in self._specs}
         if stage in taken:

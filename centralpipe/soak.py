@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +127,7 @@ def _one_round(rng: random.Random, totals: Totals, tmp: Path) -> None:
     )
     ref: cp.Loader[int]
     with cp.Loader(pipe, reference_cfg) as ref:
-        expected = list(ref)
+        expected: list[int] = list(ref)
     got: list[int] = []
     cfg = first
     state: dict[str, Any] | None = None
@@ -138,7 +139,7 @@ def _one_round(rng: random.Random, totals: Totals, tmp: Path) -> None:
                 totals.resumes += 1
             stop_at = rng.choice([None, rng.randrange(0, max(1, len(expected) - len(got)) + 1)])
             kill_at = rng.randrange(0, 200) if cfg.workers.num_workers else -1
-            it = iter(loader)
+            it: Iterator[int] = iter(loader)
             finished = True
             for i, x in enumerate(it):
                 got.append(x)

@@ -24,7 +24,9 @@ def _pipe() -> cp.Pipeline:
 
 
 def _cfg(n: int) -> cp.LoaderConfig:
-    return cp.LoaderConfig(workers=cp.WorkerConfig(num_workers=n, start_method="fork", buffer_size=16))
+    return cp.LoaderConfig(
+        workers=cp.WorkerConfig(num_workers=n, start_method="fork", buffer_size=16)
+    )
 
 
 @pytest.mark.parametrize(("before", "after"), [(0, 0), (2, 2), (2, 0), (0, 2)], ids=str)

@@ -32,7 +32,9 @@ __all__ = [
 ]
 
 
-def _build_one(spec: StageSpec, source: CentralNode[Any] | None, ctx: RunContext) -> CentralNode[Any]:
+def _build_one(
+    spec: StageSpec, source: CentralNode[Any] | None, ctx: RunContext
+) -> CentralNode[Any]:
     o, name = spec.options, spec.name
     if spec.kind == "iterable":
         return IterableSource(o["source"], o["mode"], name=name, ctx=ctx)
@@ -72,7 +74,9 @@ def build_central(specs: Sequence[StageSpec], ctx: RunContext) -> list[CentralNo
     return nodes
 
 
-def central_length(nodes: Sequence[CentralNode[Any]], specs: Sequence[StageSpec], ctx: RunContext) -> int | None:
+def central_length(
+    nodes: Sequence[CentralNode[Any]], specs: Sequence[StageSpec], ctx: RunContext
+) -> int | None:
     """Items the chain yields per epoch, or ``None`` when only iterating would tell."""
     n: int | None = None
     for node, spec in zip(nodes, specs):
@@ -85,7 +89,11 @@ def central_length(nodes: Sequence[CentralNode[Any]], specs: Sequence[StageSpec]
             size, drop = spec.options["batch_size"], spec.options["drop_last"]
             n = None if n is None else (n // size if drop else -(-n // size))
         elif kind == "shard":
-            n = None if n is None else shard_length(n, spec.options["equalize"], ctx.rank, ctx.world_size)
+            n = (
+                None
+                if n is None
+                else shard_length(n, spec.options["equalize"], ctx.rank, ctx.world_size)
+            )
         else:
             n = None
         if n is None and kind not in ("iterable", "dataset", "files"):

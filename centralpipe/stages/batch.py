@@ -100,7 +100,9 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
                         self._draining = True
                         break
                     length = self._len_fn(item)
-                    if length < self._min_len or (self._max_len is not None and length > self._max_len):
+                    if length < self._min_len or (
+                        self._max_len is not None and length > self._max_len
+                    ):
                         continue
                     heapq.heappush(heap, (length, self._arrivals, item))
                     self._arrivals += 1

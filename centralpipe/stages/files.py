@@ -25,9 +25,7 @@ OFFSET_KEY = "offset"
 class ReadLines(CentralNode[str]):
     kind = "read_lines"
 
-    def __init__(
-        self, source: BaseNode[Any], *, encoding: str, name: str, ctx: RunContext
-    ) -> None:
+    def __init__(self, source: BaseNode[Any], *, encoding: str, name: str, ctx: RunContext) -> None:
         super().__init__(source, name=name, ctx=ctx)
         self._encoding = encoding
         self._path: str | None = None

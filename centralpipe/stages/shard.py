@@ -26,7 +26,9 @@ DONE_KEY = "done"
 class Shard(CentralNode[Any]):
     kind = "shard"
 
-    def __init__(self, source: BaseNode[Any], equalize: str | None, *, name: str, ctx: RunContext) -> None:
+    def __init__(
+        self, source: BaseNode[Any], equalize: str | None, *, name: str, ctx: RunContext
+    ) -> None:
         super().__init__(source, name=name, ctx=ctx)
         self._equalize = equalize
         self.index = 0

@@ -25,7 +25,9 @@ DRAINING_KEY = "draining"
 class Shuffle(CentralNode[Any]):
     kind = "shuffle"
 
-    def __init__(self, source: BaseNode[Any], buffer_size: int, *, name: str, ctx: RunContext) -> None:
+    def __init__(
+        self, source: BaseNode[Any], buffer_size: int, *, name: str, ctx: RunContext
+    ) -> None:
         super().__init__(source, name=name, ctx=ctx)
         self._size = buffer_size
         self._buffer: list[Any] = []

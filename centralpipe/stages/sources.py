@@ -114,7 +114,7 @@ class NodeSource(CentralNode[Any]):
                 "build each Loader's pipeline with its own node (or close the other Loader)."
             )
             raise PipelineError(msg)
-        node._centralpipe_owner = weakref.ref(ctx)  # type: ignore[attr-defined]
+        node._centralpipe_owner = weakref.ref(ctx)
         self._node = node
 
     def produce(self) -> Any:
@@ -129,7 +129,7 @@ class NodeSource(CentralNode[Any]):
     def release(self) -> None:
         owner = getattr(self._node, "_centralpipe_owner", None)
         if owner is not None and owner() is self.ctx:
-            self._node._centralpipe_owner = None  # type: ignore[attr-defined]
+            self._node._centralpipe_owner = None
         super().release()
 
 

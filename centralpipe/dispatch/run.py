@@ -36,7 +36,7 @@ LOCK_SLICE_S = 0.0005
 TARGET_CHUNK_S = 0.005
 MAX_CHUNK = 1024
 FIRST_CHUNK = 16
-#: Items pulled between two looks at the clock.
+#: Most items pulled between two looks at the clock.
 PULL_BURST = 32
 
 
@@ -147,6 +147,7 @@ class Run:
         self.broken = False
         self.stopping = False
         self.cost_per_item = 0.0
+        self._burst = 1
         self._stamped = [n for n in nodes if isinstance(n, (Count, Shard))]
         self._resume: deque[tuple[int, Any, Any]] = deque()
         self._resume_skip: set[int] = set()
@@ -229,7 +230,7 @@ class Run:
                 try:
                     while len(items) < target:
                         # Pull in short bursts; look at the clock between them.
-                        for _ in range(min(PULL_BURST, target - len(items))):
+                        for _ in range(min(self._burst, target - len(items))):
                             item = nxt()
                             if stamps is not None:
                                 stamps.append(self._stamp_now())
@@ -242,6 +243,11 @@ class Run:
                     self.central_error = exc
                     self.exhausted = True
                 added = len(items) - before
+                if added:
+                    # Slow central stages get a look at the clock after every
+                    # item, so the lock is never held much past LOCK_SLICE_S.
+                    per_item = max(1e-9, (time.perf_counter() - t0) / added)
+                    self._burst = max(1, min(PULL_BURST, int(LOCK_SLICE_S / per_item / 4)))
                 self.next_seq += added
                 self.in_flight += added
                 self.stats.wait_central_s += time.perf_counter() - t0

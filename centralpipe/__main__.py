@@ -114,7 +114,8 @@ def _inspect(path: str) -> int:
         keys = ", ".join(repr(k) for k in list(obj)[:10]) if isinstance(obj, Mapping) else ""
         print(
             f"{PROG} inspect: {path} holds no centralpipe checkpoint (a dict with "
-            f"'format_version'); found {type(obj).__name__}" + (f" with keys {keys}" if keys else "")
+            f"'format_version'); found {type(obj).__name__}"
+            + (f" with keys {keys}" if keys else "")
             + ". Save one with torch.save(loader.state_dict(), path).",
             file=sys.stderr,
         )

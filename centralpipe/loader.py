@@ -290,7 +290,7 @@ class Loader(Generic[T]):
             items, weight = stamp[stamped.index(node)]
             return {"items": items, "weight": weight}
         if run is not None:
-            with run.lock:
+            with run.reading():
                 return node.query_state()
         return node.query_state()
 

@@ -29,6 +29,7 @@ __all__ = ["Slot", "WorkerPool", "describe_exit"]
 _JOIN_TIMEOUT_S = 2.0
 _TERMINATE_TIMEOUT_S = 1.0
 _KILL_TIMEOUT_S = 5.0
+SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -98,6 +99,8 @@ class WorkerPool:
 
     def _start(self, slot: Slot) -> None:
         parent, child = self.ctx.Pipe(duplex=True)
+        for conn in (parent, child):
+            _grow_socket_buffers(conn)
         slot.status = self.ctx.RawArray("d", STATUS_LEN)
         close_fds = [*self._parent_fds(), parent.fileno()] if self.start_method == "fork" else []
         proc = self.ctx.Process(
@@ -159,6 +162,25 @@ class WorkerPool:
                 _reap(slot.process, graceful=True)
                 slot.process = None
         self.close_retired()
+
+
+def _grow_socket_buffers(conn: Connection) -> None:
+    """Ask for socket buffers that hold a few large tensors: a 256 KiB message
+    through the default ~208 KiB buffer needs several wake-ups of both sides.
+    The kernel caps the size at net.core.wmem_max/rmem_max; failure is harmless."""
+    import socket
+
+    try:
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+    except OSError:
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+    except OSError:
+        pass
+    finally:
+        sock.close()
 
 
 def _reap(proc: Any, graceful: bool = False) -> int | None:

@@ -12,6 +12,7 @@ pending chunk — under ``lock``, always both or neither.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import threading
@@ -148,6 +149,7 @@ class Run:
         self.stopping = False
         self.cost_per_item = 0.0
         self._burst = 1
+        self._readers = 0
         self._stamped = [n for n in nodes if isinstance(n, (Count, Shard))]
         self._resume: deque[tuple[int, Any, Any]] = deque()
         self._resume_skip: set[int] = set()
@@ -211,6 +213,10 @@ class Run:
         items, stamps = chunk.items, chunk.stamps
         append = items.append
         while True:
+            if self._readers:
+                # Lock hand-off is not fair: drop the GIL so a waiting
+                # state_dict()/query() gets the lock before we take it again.
+                time.sleep(0)
             with self.lock:
                 if self.stopping:
                     break
@@ -402,9 +408,20 @@ class Run:
 
     # -- checkpoint ------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Hold the lock to read state. The feeder yields to waiting readers
+        between pull slices, so a reader waits at most about one slice."""
+        self._readers += 1
+        try:
+            with self.lock:
+                yield
+        finally:
+            self._readers -= 1
+
     def capture(self) -> dict[str, Any]:
         """The checkpoint of this run at the consumer's position (under the lock)."""
-        with self.lock:
+        with self.reading():
             central = {node.name: node.own_state() for node in self.nodes}
             items: list[Any] = []
             stamps: list[Any] | None = [] if self._stamped else None
@@ -457,7 +474,7 @@ class Run:
 
     def delivered_stamp(self) -> Any:
         """Stamp of the count/shard stages as of the last delivered output."""
-        with self.lock:
+        with self.reading():
             if self.finished:
                 return self._stamp_now()
             chunk = self.current

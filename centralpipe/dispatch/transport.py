@@ -6,8 +6,8 @@ reductions are among the slowest transports on a small machine. Instead a
 message is one ``pickle`` (protocol 5) whose CPU tensors are reduced to
 out-of-band buffers: the header carries the buffer sizes, then each tensor's
 bytes follow as one ``send_bytes`` of its memory (no copy on the way out) and
-are read straight into a pre-allocated ``bytearray`` that becomes the received
-tensor's storage (``torch.frombuffer``). Small tensors travel in-band.
+are read from the socket straight into the memory of a new tensor, which
+becomes the received tensor's storage. Small tensors travel in-band.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import copyreg
 import ctypes
 import io
+import os
 import pickle
 import struct
 from multiprocessing.connection import Connection
@@ -29,9 +30,13 @@ INBAND_MAX_BYTES = 16 * 1024
 _COUNT = struct.Struct("<I")
 _SIZE = struct.Struct("<Q")
 _NO_BUFFERS = _COUNT.pack(0)
+_FRAME = struct.Struct("!i")
+_FRAME_BIG = struct.Struct("!Q")
 
 
 def _rebuild_tensor(data: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if isinstance(data, torch.Tensor):  # an out-of-band buffer read by recv()
+        return data.view(dtype).view(shape)
     view = memoryview(data)
     if view.nbytes == 0:
         return torch.empty(shape, dtype=dtype)
@@ -100,10 +105,45 @@ def recv(conn: Connection) -> Any:
     buffers = []
     for i in range(count):
         (size,) = _SIZE.unpack_from(view, _COUNT.size + i * _SIZE.size)
-        buf = bytearray(size)
-        conn.recv_bytes_into(buf)
-        buffers.append(buf)
+        buffers.append(_recv_tensor(conn, size))
     return pickle.loads(view[_COUNT.size + count * _SIZE.size :], buffers=buffers)
+
+
+def _read_exact(fd: int, view: memoryview) -> None:
+    pos, n = 0, view.nbytes
+    while pos < n:
+        got = os.readv(fd, [view[pos:]])
+        if got == 0:
+            raise EOFError("connection closed in the middle of a message")
+        pos += got
+
+
+def _recv_tensor(conn: Connection, size: int) -> torch.Tensor:
+    """One ``send_bytes`` message read straight into a new uint8 tensor.
+
+    ``Connection.recv_bytes_into`` reads into a growing ``BytesIO`` and then
+    copies; reading the socket into the tensor's own memory writes each byte
+    once. The framing is ``send_bytes``': a signed 32-bit big-endian length,
+    or -1 and a 64-bit length for messages over 2 GiB.
+    """
+    out = torch.empty(size, dtype=torch.uint8)
+    if size == 0 or not hasattr(os, "readv"):
+        array = bytearray(size)
+        conn.recv_bytes_into(array)
+        return torch.frombuffer(array, dtype=torch.uint8) if size else out
+    fd = conn.fileno()
+    head = bytearray(4)
+    _read_exact(fd, memoryview(head))
+    (length,) = _FRAME.unpack(head)
+    if length == -1:
+        big = bytearray(8)
+        _read_exact(fd, memoryview(big))
+        (length,) = _FRAME_BIG.unpack(big)
+    if length != size:
+        raise EOFError(f"expected a {size}-byte buffer, got a {length}-byte message")
+    memory = (ctypes.c_char * size).from_address(out.data_ptr())
+    _read_exact(fd, memoryview(memory).cast("B"))
+    return out
 
 
 def loads(head: bytes, buffers: list[Any]) -> Any:

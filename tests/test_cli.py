@@ -1,0 +1,164 @@
+"""The command line: ``python -m centralpipe`` help, ``bench`` and ``inspect``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import centralpipe as cp
+from centralpipe.__main__ import main
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH_TIMEOUT_S = 120
+CLI_TIMEOUT_S = 60
+
+
+def _cli(*args: str, timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "centralpipe", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_no_arguments_prints_help() -> None:
+    """`python -m centralpipe` alone prints the help naming every command."""
+    proc = _cli()
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: python -m centralpipe")
+    for command in ("bench", "inspect", "soak"):
+        assert command in proc.stdout
+
+
+def test_unknown_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """An unknown command exits with argparse's usage error (status 2)."""
+    with pytest.raises(SystemExit) as info:
+        main(["frobnicate"])
+    assert info.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(BENCH_TIMEOUT_S + 30)
+def test_quick_bench_prints_a_table() -> None:
+    """`bench --quick --only tiny,state --workers 1` runs and prints markdown tables."""
+    proc = _cli(
+        "bench", "--quick", "--only", "tiny,state", "--workers", "1", timeout=BENCH_TIMEOUT_S
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "| workload | workers |" in out
+    assert "| tiny | 1 |" in out
+    assert "## state_dict()" in out
+    assert "## Targets" in out
+    assert "Traceback" not in proc.stderr
+
+
+def test_bench_help_lists_its_options(capsys: pytest.CaptureFixture[str]) -> None:
+    """`bench --help` prints every option and exits 0."""
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--quick", "--workers", "--only", "--repeat", "--retries", "--start-method"):
+        assert option in out
+
+
+def test_bench_rejects_an_unknown_section(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--only` names the sections it accepts when given an unknown one."""
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--only", "tiny,gpu"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "gpu" in err
+    assert "tiny,cpu,tensor,state" in err
+
+
+def _checkpoint(tmp_path: Path) -> Path:
+    pipe = cp.Pipeline.from_iterable(range(100)).shuffle(10).count("seen").dispatch().map(str)
+    with cp.Loader[str](pipe) as loader:
+        for _ in range(3):
+            list(loader)  # three finished epochs
+        it = iter(loader)  # epoch 4, in progress
+        for _ in range(5):
+            next(it)
+        sd = loader.state_dict()
+    path = tmp_path / "ckpt.pt"
+    torch.save(sd, path)
+    return path
+
+
+def test_inspect_prints_the_epoch_and_stages(tmp_path: Path) -> None:
+    """`inspect PATH` summarises a saved checkpoint: epoch, stages, in-flight items."""
+    proc = _cli("inspect", str(_checkpoint(tmp_path)))
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "epoch: 4 (in progress)" in out
+    assert "format_version: 1" in out
+    assert "rank / world size: 0 / 1" in out
+    assert "shuffle_1 (shuffle):" in out
+    assert "seen (count):" in out
+    assert "in-flight items:" in out
+
+
+def test_inspect_finds_a_nested_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A checkpoint saved inside a bigger dict is found under its key."""
+    sd = torch.load(_checkpoint(tmp_path), weights_only=False)
+    path = tmp_path / "train.pt"
+    torch.save({"model": {"w": torch.zeros(3)}, "data": sd}, path)
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "under key 'data'" in out
+    assert "epoch: 4" in out
+
+
+def test_inspect_explains_a_file_without_a_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file holding something else exits 1 with a message saying what it holds."""
+    path = tmp_path / "other.pt"
+    torch.save({"weights": torch.zeros(2)}, path)
+    assert main(["inspect", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "no centralpipe checkpoint" in err
+    assert "'weights'" in err
+    assert main(["inspect", str(tmp_path / "missing.pt")]) == 1
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_soak_passes_its_arguments_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`soak ARGS` calls centralpipe.soak.main with ARGS unchanged, options included."""
+    import types
+
+    seen: list[list[str]] = []
+
+    def fake_main(argv: list[str]) -> int:
+        seen.append(list(argv))
+        return 3
+
+    fake = types.ModuleType("centralpipe.soak")
+    fake.main = fake_main  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "centralpipe.soak", fake)
+    assert main(["soak", "--minutes", "1", "--help"]) == 3
+    assert seen == [["--minutes", "1", "--help"]]
+
+
+def test_soak_without_its_module_exits_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without centralpipe.soak, `soak` says so and exits with status 2."""
+    monkeypatch.setitem(sys.modules, "centralpipe.soak", None)
+    assert main(["soak"]) == 2
+    assert "centralpipe.soak" in capsys.readouterr().err

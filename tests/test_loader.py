@@ -10,27 +10,9 @@ import torch
 
 import centralpipe as cp
 from centralpipe.testing import _equal, collect
+from tests._configs import loader_config
 
-
-def _config(
-    *,
-    num_workers: int = 0,
-    buffer_size: int | None = 4096,
-    chunk_size: int | None = None,
-    seed: int = 0,
-    rank: int = 0,
-    world_size: int = 1,
-) -> cp.LoaderConfig:
-    return cp.LoaderConfig(
-        workers=cp.WorkerConfig(
-            num_workers=num_workers,
-            buffer_size=buffer_size,
-            chunk_size=chunk_size,
-            start_method="fork",
-        ),
-        distributed=cp.DistributedConfig(rank=rank, world_size=world_size),
-        seed=seed,
-    )
+_config = loader_config
 
 
 def _times2(x: int) -> int:

@@ -16,30 +16,13 @@ from torch.utils.data import Dataset
 import centralpipe as cp
 from centralpipe.stages import RunContext, build_central
 from centralpipe.testing import _equal, assert_resumes_exactly, collect
+from tests._configs import loader_config
 from tests.conftest import CORPUS
 
 CORPUS_LINES = ["alpha", "beta", "gamma", "naïve café", "Жёлтый 日本語 🙂", "", "last line"]
 
 
-def _config(
-    *,
-    num_workers: int = 0,
-    buffer_size: int | None = 4096,
-    chunk_size: int | None = None,
-    seed: int = 0,
-    rank: int = 0,
-    world_size: int = 1,
-) -> cp.LoaderConfig:
-    return cp.LoaderConfig(
-        workers=cp.WorkerConfig(
-            num_workers=num_workers,
-            buffer_size=buffer_size,
-            chunk_size=chunk_size,
-            start_method="fork",
-        ),
-        distributed=cp.DistributedConfig(rank=rank, world_size=world_size),
-        seed=seed,
-    )
+_config = loader_config
 
 
 #: Central stages exactly at the consumer's position: one item per chunk.

@@ -74,17 +74,8 @@ class CentralNode(BaseNode[T], Generic[T]):
         # Time one call in TIME_EVERY (and count it TIME_EVERY times): the
         # clock costs as much as a cheap stage, and the estimate is unbiased.
         n = self.items_out
-        if n % TIME_EVERY:
-            try:
-                item = self.produce()
-            except StopIteration:
-                raise
-            except Exception as exc:
-                add_stage_note(exc, self.name)
-                raise
-            self.items_out = n + 1
-            return item
-        start = time.perf_counter()
+        timed = not n % TIME_EVERY
+        start = time.perf_counter() if timed else 0.0
         try:
             item = self.produce()
         except StopIteration:
@@ -93,7 +84,8 @@ class CentralNode(BaseNode[T], Generic[T]):
             add_stage_note(exc, self.name)
             raise
         finally:
-            self.time_s += (time.perf_counter() - start) * TIME_EVERY
+            if timed:
+                self.time_s += (time.perf_counter() - start) * TIME_EVERY
         self.items_out = n + 1
         return item
 

@@ -71,31 +71,16 @@ class IterableSource(CentralNode[Any]):
         return len(self._iterable) if self._mode == "sequence" else None
 
 
-class DatasetSource(CentralNode[Any]):
-    """``dataset[i]`` in index order."""
+class DatasetSource(IterableSource):
+    """``dataset[i]`` in index order (a map-style dataset is a sequence)."""
 
     kind = "dataset"
 
     def __init__(self, dataset: Any, *, name: str, ctx: RunContext) -> None:
-        super().__init__(None, name=name, ctx=ctx)
-        self._dataset = dataset
-        self._index = 0
-
-    def produce(self) -> Any:
-        if self._index >= len(self._dataset):
-            raise StopIteration
-        item = self._dataset[self._index]
-        self._index += 1
-        return item
-
-    def own_state(self) -> dict[str, Any]:
-        return {INDEX_KEY: self._index}
-
-    def restore(self, state: dict[str, Any] | None) -> None:
-        self._index = 0 if state is None else int(state[INDEX_KEY])
+        super().__init__(dataset, "sequence", name=name, ctx=ctx)
 
     def length(self) -> int:
-        return len(self._dataset)
+        return len(self._iterable)
 
 
 class NodeSource(CentralNode[Any]):

@@ -1,0 +1,27 @@
+"""The LoaderConfig most tests build: fork workers (lambdas allowed), explicit
+buffer, chunk size, seed and rank."""
+
+from __future__ import annotations
+
+import centralpipe as cp
+
+
+def loader_config(
+    *,
+    num_workers: int = 0,
+    buffer_size: int | None = 4096,
+    chunk_size: int | None = None,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+) -> cp.LoaderConfig:
+    return cp.LoaderConfig(
+        workers=cp.WorkerConfig(
+            num_workers=num_workers,
+            buffer_size=buffer_size,
+            chunk_size=chunk_size,
+            start_method="fork",
+        ),
+        distributed=cp.DistributedConfig(rank=rank, world_size=world_size),
+        seed=seed,
+    )

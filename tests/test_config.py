@@ -259,3 +259,28 @@ def test_from_dict_section_of_wrong_type_names_it() -> None:
     """A section that is not a table says so, naming the section."""
     with pytest.raises(cp.ConfigError, match="`workers` must be a table"):
         cp.LoaderConfig.from_dict({"workers": 5})
+
+
+def test_from_env_prefers_the_process_group_and_rejects_conflicts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An initialised process group wins; RANK/WORLD_SIZE that disagree with it
+    are a ConfigError naming both."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        assert cp.DistributedConfig.from_env() == cp.DistributedConfig(rank=0, world_size=1)
+        monkeypatch.setenv("RANK", "1")
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        with pytest.raises(cp.ConfigError, match="rank 0 of 1.*1 of 2"):
+            cp.DistributedConfig.from_env()
+    finally:
+        dist.destroy_process_group()

@@ -280,7 +280,7 @@ def test_from_env_prefers_the_process_group_and_rejects_conflicts(
         assert cp.DistributedConfig.from_env() == cp.DistributedConfig(rank=0, world_size=1)
         monkeypatch.setenv("RANK", "1")
         monkeypatch.setenv("WORLD_SIZE", "2")
-        with pytest.raises(cp.ConfigError, match="rank 0 of 1.*1 of 2"):
+        with pytest.raises(cp.ConfigError, match=r"rank 0 of 1.*1 of 2"):
             cp.DistributedConfig.from_env()
     finally:
         dist.destroy_process_group()

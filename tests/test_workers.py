@@ -273,3 +273,19 @@ def test_state_dict_mid_epoch_holds_only_builtins_and_tensors() -> None:
 
     check(sd)
     gc.collect()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_failing_item_runs_each_stage_once(workers: int) -> None:
+    """When a later stage raises on an item, earlier (stateful) stages saw that
+    item once, not again on a retry path."""
+    import functools
+
+    fn = functools.partial(faulty.raise_at, at=frozenset({5, 60}))
+    pipe = (
+        cp.Pipeline.from_iterable(range(100)).dispatch().map(CountingMap(), name="counting").map(fn)
+    )
+    with cp.Loader(pipe, _cfg(workers, on_error="skip", chunk_size=10)) as loader:
+        assert list(loader) == [x for x in range(100) if x not in (5, 60)]
+        states = loader.worker_states()
+    assert sum(s["counting"]["seen"] for s in states) == 100

@@ -68,12 +68,14 @@ class WorkerChain:
 
     def _run_plain(
         self, first_seq: int, items: Sequence[Any], outputs: list[Any], status: Any
-    ) -> int:
-        """Run plain map stages over ``items`` into ``outputs``; returns how
-        many items succeeded (all, or up to the first that raised)."""
+    ) -> StageFailure | None:
+        """Run plain map stages over ``items`` into ``outputs`` until one
+        raises; that failure is returned (its item is ``len(outputs)``) so no
+        stage runs twice on an item."""
         fns = self._plain_maps
         assert fns is not None
         append = outputs.append
+        k = 0
         try:
             if status is None:
                 if len(fns) == 1:
@@ -82,7 +84,7 @@ class WorkerChain:
                         append(fn(item))
                 else:
                     for item in items:
-                        for fn in fns:
+                        for k, fn in enumerate(fns):  # noqa: B007 - k is read by the except
                             item = fn(item)
                         append(item)
             else:
@@ -93,9 +95,12 @@ class WorkerChain:
                         status[STATUS_STAGE] = k
                         item = fn(item)
                     append(item)
-        except Exception:
-            return len(outputs)
-        return len(items)
+        except Exception as exc:
+            name = self._stages[k][1]
+            return StageFailure(
+                len(outputs), name, type(exc).__name__, str(exc), traceback.format_exc()
+            )
+        return None
 
     def run_chunk(
         self,
@@ -112,12 +117,15 @@ class WorkerChain:
         failures: list[StageFailure] = []
         begin = 0
         if self._plain_maps is not None and not skip:
-            begin = self._run_plain(first_seq, items, outputs, status)
-            if begin == len(items):
+            failure = self._run_plain(first_seq, items, outputs, status)
+            if failure is None:
                 if status is not None:
                     status[STATUS_STARTED] = 0.0
                 return ChunkResult(outputs, None, None, time.perf_counter() - start)
-            counts = [1] * begin  # a stage raised at item ``begin``: go on item by item
+            # Item ``failure.at`` raised: record it and go on item by item.
+            failures.append(failure)
+            counts = [1] * failure.at + [0]
+            begin = failure.at + 1
         stages = self._stages
         for i in range(begin, len(items)):
             item = items[i]

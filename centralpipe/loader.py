@@ -43,12 +43,17 @@ class _Resources:
             run.stop()
 
     def close(self) -> None:
-        self.end_run()
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
-        if self.nodes:
-            self.nodes[-1].release()
+        # Each step runs even if an earlier one fails (e.g. Ctrl-C mid-drain).
+        try:
+            self.end_run()
+        finally:
+            try:
+                if self.pool is not None:
+                    pool, self.pool = self.pool, None
+                    pool.close()
+            finally:
+                if self.nodes:
+                    self.nodes[-1].release()
 
 
 class Loader(Generic[T]):
@@ -123,7 +128,12 @@ class Loader(Generic[T]):
             self._nodes[-1].load_flat(None)
             run = self._make_run(next_seq=0, resume=None, delivered_stamp=None)
         self._res.run = run
-        return run.outputs()
+        return self._iterate(run)
+
+    def _iterate(self, run: Run) -> Iterator[T]:
+        # A generator of the Loader, not of the run: `for x in Loader(...)`
+        # must keep the Loader (and so its workers) alive while it iterates.
+        yield from run.outputs()
 
     def _make_run(self, *, next_seq: int, resume: InFlight | None, delivered_stamp: Any) -> Run:
         w = self._config.workers
@@ -254,6 +264,7 @@ class Loader(Generic[T]):
             )
             raise CheckpointError(msg) from exc
         self.epoch = sd["epoch"]
+        self._stats.epoch_restarts = 0
         self._resume = sd
 
     # -- queries -----------------------------------------------------------------
@@ -387,6 +398,7 @@ class Loader(Generic[T]):
 def _ask_idle_pool(pool: WorkerPool) -> list[dict[str, Any]]:
     from centralpipe.dispatch import transport
 
+    pool.ensure_alive()  # a worker may have died since the last run
     out: list[dict[str, Any]] = []
     for slot in pool.slots:
         assert slot.conn is not None

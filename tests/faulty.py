@@ -110,3 +110,13 @@ def big_input(i: int) -> bytes:
 
 def big_output(x: bytes) -> bytes:
     return bytes(4_000_000)
+
+
+def bump_in_place(d: dict[str, int]) -> dict[str, int]:
+    """A worker stage that mutates its item in place (a common map style)."""
+    d["x"] += 100
+    return d
+
+
+def as_dict(i: int) -> dict[str, int]:
+    return {"x": i}

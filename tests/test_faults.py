@@ -169,18 +169,44 @@ def test_unpicklable_result_names_the_stage() -> None:
     assert (info.value.stage, info.value.seq) == ("map_2", 9)
 
 
-def test_unpicklable_central_item_names_the_dispatch_stage() -> None:
-    """A central item that cannot be sent to a worker is a WorkerError at 'dispatch'."""
-    cfg = cp.LoaderConfig(workers=cp.WorkerConfig(num_workers=2, start_method="fork"))
+@pytest.mark.parametrize("workers", [0, 2])
+def test_unpicklable_central_item_fails_alone_at_the_dispatch_stage(workers: int) -> None:
+    """A central item that cannot be pickled for the worker stages is a
+    WorkerError at 'dispatch' with its own seq, after the items before it."""
+    cfg = cp.LoaderConfig(
+        workers=cp.WorkerConfig(num_workers=workers, start_method="fork", chunk_size=8)
+    )
     pipe = (
         cp.Pipeline.from_iterable(range(10))
         .map(faulty.unpicklable_at_5)
         .dispatch()
         .map(faulty.identity)
     )
+    out: list[int] = []
     with cp.Loader(pipe, cfg) as loader, pytest.raises(cp.WorkerError, match="pickled") as info:
-        list(loader)
-    assert info.value.stage == "dispatch"
+        for x in loader:
+            out.append(x)
+    assert out == [0, 1, 2, 3, 4]
+    assert (info.value.stage, info.value.seq) == ("dispatch", 5)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_unpicklable_central_item_is_skipped_with_on_error_skip(workers: int) -> None:
+    """With on_error='skip' only the unpicklable item is dropped."""
+    cfg = cp.LoaderConfig(
+        workers=cp.WorkerConfig(
+            num_workers=workers, start_method="fork", chunk_size=8, on_error="skip"
+        )
+    )
+    pipe = (
+        cp.Pipeline.from_iterable(range(10))
+        .map(faulty.unpicklable_at_5)
+        .dispatch()
+        .map(faulty.identity)
+    )
+    with cp.Loader(pipe, cfg) as loader:
+        assert list(loader) == [0, 1, 2, 3, 4, 6, 7, 8, 9]
+        assert loader.metrics()["dispatch"]["skipped"] == 1
 
 
 @pytest.mark.parametrize("workers", [0, 2])

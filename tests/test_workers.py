@@ -289,3 +289,45 @@ def test_a_failing_item_runs_each_stage_once(workers: int) -> None:
         assert list(loader) == [x for x in range(100) if x not in (5, 60)]
         states = loader.worker_states()
     assert sum(s["counting"]["seen"] for s in states) == 100
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_for_loop_over_a_temporary_loader(workers: int) -> None:
+    """`for x in Loader(...)` keeps the loader alive while it iterates."""
+    pipe = cp.Pipeline.from_iterable(range(300)).dispatch().map(faulty.identity)
+    out = []
+    for x in cp.Loader(pipe, _cfg(workers)):
+        out.append(x)
+    assert out == list(range(300))
+    gc.collect()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_worker_stage_mutating_items_in_place_resumes_exactly(workers: int) -> None:
+    """A worker stage that mutates its item does not change the checkpoint:
+    worker stages see a copy, inline too, so 0 and N workers agree."""
+    pipe = (
+        cp.Pipeline.from_iterable(range(20))
+        .map(faulty.as_dict)
+        .dispatch()
+        .map(faulty.bump_in_place)
+    )
+    expected = [{"x": i + 100} for i in range(20)]
+    assert _run(pipe, _cfg(workers)) == expected
+    assert_resumes_exactly(pipe, _cfg(workers, chunk_size=4), ks=[0, 3, 10, 19, 20])
+
+
+def test_worker_states_after_a_worker_died_between_epochs() -> None:
+    """worker_states() between epochs replaces a worker that died meanwhile."""
+    import os
+    import signal
+    import time
+
+    pipe = cp.Pipeline.from_iterable(range(50)).dispatch().map(CountingMap(), name="counting")
+    with cp.Loader(pipe, _cfg(2)) as loader:
+        list(loader)
+        os.kill(loader.worker_pids()[0], signal.SIGKILL)
+        time.sleep(0.2)
+        states = loader.worker_states()
+        assert len(states) == 2
+        assert list(loader) == list(range(50))

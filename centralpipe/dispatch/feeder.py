@@ -41,9 +41,10 @@ class InlineRun(Run):
         chunk = self.pull_chunk()
         if chunk is None:
             return None
-        result = self.chain.run_chunk(
-            self.epoch, chunk.first_seq, chunk.items, frozenset(chunk.skip)
-        )
+        # The worker stages get a copy, as a worker would: a stage that mutates
+        # its item in place must not change the checkpoint's in-flight items.
+        items = self.copy_items(chunk)
+        result = self.chain.run_chunk(self.epoch, chunk.first_seq, items, self.run_skip(chunk))
         chunk.result = self.accept(chunk, result)
         return chunk
 
@@ -115,23 +116,15 @@ class PoolRun(Run):
         with slot.send_lock:
             if chunk.sent_gen == slot.gen or chunk.result is not None or slot.conn is None:
                 return
-            msg = (
-                MSG_CHUNK,
-                self.run_id,
-                chunk.cid,
-                self.epoch,
-                chunk.first_seq,
-                chunk.items,
-                frozenset(chunk.skip),
-            )
+
+            def message(items: list[Any]) -> tuple[Any, ...]:
+                skip = self.run_skip(chunk)
+                return (MSG_CHUNK, self.run_id, chunk.cid, self.epoch, chunk.first_seq, items, skip)
+
             try:
-                head, buffers = transport.dumps(msg)
-            except Exception as exc:
-                text = (
-                    f"an item from the central stages cannot be pickled to send to a worker: {exc}"
-                )
-                chunk.result = self.failure_result(chunk, text, exc)
-                return
+                head, buffers = transport.dumps(message(chunk.items))
+            except Exception:
+                head, buffers = transport.dumps(message(self.sendable_items(chunk)))
             try:
                 slot.conn.send_bytes(head)
                 for buf in buffers:
@@ -178,6 +171,11 @@ class PoolRun(Run):
                 except (EOFError, OSError):
                     dead.append(slot)
                     continue
+                except BaseException:
+                    # Interrupted mid-message (Ctrl-C): the pipe's framing is
+                    # lost, so this worker is replaced before it is read again.
+                    self._recover(slot, hung=False, desynced=True)
+                    raise
                 self._handle(slot, msg)
             elif slot not in dead:
                 dead.append(slot)
@@ -203,13 +201,28 @@ class PoolRun(Run):
         elif msg[0] == MSG_STATES:
             self.states[slot.index] = msg[1]
 
-    def _recover(self, slot: Slot, *, hung: bool) -> None:
+    def _recover(self, slot: Slot, *, hung: bool, desynced: bool = False) -> None:
         """A worker died or hung: replace it and have its chunks re-sent."""
         seq, stage_index, _ = slot.busy_seq()
+        if seq is not None and not any(
+            c.first_seq <= seq < c.first_seq + len(c.items) for c in self.pending
+        ):
+            seq = None  # busy with an abandoned run's item: not this run's business
         proc = slot.process
         kill_now(proc)
         if proc is not None:
             proc.join(5.0)
+        if desynced:
+            with slot.send_lock:
+                self.pool.replace(slot)
+            with self.cond:
+                self.resend.extend(
+                    c
+                    for c in self.pending
+                    if c.slot == slot.index and c.closed and c.result is None
+                )
+                self.cond.notify_all()
+            return
         exitcode = proc.exitcode if proc is not None else None
         what = (
             f"hung for more than timeout_s={self.timeout_s}"
@@ -307,5 +320,5 @@ class PoolRun(Run):
         for conn in wait(conns, timeout):
             try:
                 transport.recv(conn)  # type: ignore[arg-type]
-            except (EOFError, OSError):
+            except Exception:  # EOF, or a pipe whose framing was lost
                 self._eof.append(conn)  # type: ignore[arg-type]

@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from centralpipe.dispatch import transport
 from centralpipe.dispatch.chain import ChunkResult, StageFailure, WorkerChain
 from centralpipe.errors import WorkerError
 from centralpipe.stages import CentralNode, Count, Shard, add_stage_note
@@ -56,6 +57,7 @@ class Chunk:
         "skip_first",
         "slot",
         "stamps",
+        "unsendable",
     )
 
     def __init__(self, cid: int, first_seq: int, stamped: bool) -> None:
@@ -70,6 +72,8 @@ class Chunk:
         self.skip_first = 0  # outputs of input 0 delivered before a resume
         self.closed = False
         self.raised_at = -1  # input whose failure was raised to the consumer
+        # inputs that cannot be pickled: failures at the dispatch stage
+        self.unsendable: list[StageFailure] = []
 
 
 class InFlight:
@@ -273,8 +277,50 @@ class Run:
 
     # -- results ---------------------------------------------------------------
 
+    def copy_items(self, chunk: Chunk) -> list[Any]:
+        """The chunk's items as a worker stage sees them: a pickled copy.
+
+        Inline (``num_workers=0``) this keeps a stage that mutates its item in
+        place from changing the checkpoint's in-flight items, as a worker
+        process would. Items that cannot be pickled become ``None`` and are
+        failures of the dispatch stage (:meth:`sendable_items`)."""
+        try:
+            head, buffers = transport.dumps(chunk.items)
+        except Exception:
+            head, buffers = transport.dumps(self.sendable_items(chunk))
+        copied: list[Any] = transport.loads(head, [bytearray(b) for b in buffers])
+        return copied
+
+    def sendable_items(self, chunk: Chunk) -> list[Any]:
+        """Items with each one that cannot be pickled replaced by ``None`` and
+        recorded in ``chunk.unsendable`` (the rest of the chunk goes on)."""
+        items = list(chunk.items)
+        chunk.unsendable = []
+        for i, item in enumerate(items):
+            try:
+                transport.dumps(item)
+            except Exception as exc:
+                text = (
+                    "an item from the central stages cannot be pickled for the worker "
+                    f"stages: {exc}"
+                )
+                chunk.unsendable.append(
+                    StageFailure(i, self.dispatch_name, type(exc).__name__, text, "")
+                )
+                items[i] = None
+        return items
+
+    def run_skip(self, chunk: Chunk) -> frozenset[int]:
+        """Inputs the worker stages must not run: poison and unsendable items."""
+        return frozenset(chunk.skip).union(f.at for f in chunk.unsendable)
+
     def accept(self, chunk: Chunk, result: ChunkResult) -> ChunkResult:
         """Bookkeeping for a chunk's result before it is delivered."""
+        if chunk.unsendable:
+            failures = sorted([*(result.failures or ()), *chunk.unsendable], key=lambda f: f.at)
+            result = result._replace(
+                failures=failures, counts=result.counts or [1] * len(chunk.items)
+            )
         if result.elapsed_s > 0 and chunk.items:
             per_item = result.elapsed_s / len(chunk.items)
             self.cost_per_item = (
@@ -297,14 +343,6 @@ class Run:
                 )
             result = result._replace(failures=None, counts=result.counts or [1] * len(chunk.items))
         return result
-
-    def failure_result(self, chunk: Chunk, message: str, exc: BaseException) -> ChunkResult:
-        """Every input of ``chunk`` failed at the dispatch boundary."""
-        failures = [
-            StageFailure(i, self.dispatch_name, type(exc).__name__, message, "")
-            for i in range(len(chunk.items))
-        ]
-        return ChunkResult([], [0] * len(chunk.items), failures, 0.0)
 
     # -- delivery --------------------------------------------------------------
 
@@ -365,7 +403,10 @@ class Run:
                     remote_traceback=f.traceback or None,
                 )
             for _ in range(n):
-                yield next(it)
+                try:
+                    yield next(it)
+                except StopIteration:  # stop() ended the chunk: superseded
+                    return
 
     def _retire(self, chunk: Chunk) -> None:
         with self.cond:
@@ -431,6 +472,8 @@ class Run:
             delivered_stamp = self.last_stamp
             first = True
             for chunk in self.pending:
+                if not chunk.items:
+                    continue  # being filled: nothing pulled into it yet
                 start = 0
                 if first:
                     j, k, last = self._split_current(chunk)

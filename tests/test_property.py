@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import centralpipe as cp
 from centralpipe.testing import _torch_roundtrip, assert_resumes_exactly
+from tests._configs import loader_config
 
 # -- stage functions: module level (picklable), defined for ints and nested lists ---
 
@@ -83,24 +84,8 @@ def pipelines(draw: st.DrawFn) -> tuple[cp.Pipeline, cp.DistributedConfig]:
     return pipe, dist
 
 
-def _config(
-    dist: cp.DistributedConfig,
-    *,
-    num_workers: int,
-    buffer_size: int | None,
-    chunk_size: int | None,
-    seed: int,
-) -> cp.LoaderConfig:
-    return cp.LoaderConfig(
-        workers=cp.WorkerConfig(
-            num_workers=num_workers,
-            buffer_size=buffer_size,
-            chunk_size=chunk_size,
-            start_method="fork",
-        ),
-        distributed=dist,
-        seed=seed,
-    )
+def _config(dist: cp.DistributedConfig, **kw: Any) -> cp.LoaderConfig:
+    return loader_config(rank=dist.rank, world_size=dist.world_size, **kw)
 
 
 def _ks(data: st.DataObject, pipe: cp.Pipeline, config: cp.LoaderConfig, epochs: int) -> list[int]:

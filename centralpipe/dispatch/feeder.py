@@ -12,6 +12,7 @@ chunk is never sent twice to the same worker generation.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict, deque
 from multiprocessing.connection import Connection, wait
@@ -75,8 +76,6 @@ class PoolRun(Run):
         self.states: dict[int, Any] = {}
         pool.set_run(run_id)
         pool.ensure_alive()
-        import threading
-
         self.feeder = threading.Thread(target=self._feed, name="centralpipe-feeder", daemon=True)
         self.feeder.start()
 
@@ -213,15 +212,7 @@ class PoolRun(Run):
         if proc is not None:
             proc.join(5.0)
         if desynced:
-            with slot.send_lock:
-                self.pool.replace(slot)
-            with self.cond:
-                self.resend.extend(
-                    c
-                    for c in self.pending
-                    if c.slot == slot.index and c.closed and c.result is None
-                )
-                self.cond.notify_all()
+            self._replace_and_resend(slot)
             return
         exitcode = proc.exitcode if proc is not None else None
         what = (
@@ -257,6 +248,10 @@ class PoolRun(Run):
             self.strikes[seq] += 1
             if self.strikes[seq] > self.item_retries:
                 self._poison(seq, stage, what, exitcode)
+        self._replace_and_resend(slot)
+
+    def _replace_and_resend(self, slot: Slot) -> None:
+        """A fresh worker in ``slot``; the feeder re-sends its unfinished chunks."""
         with slot.send_lock:
             self.pool.replace(slot)
         with self.cond:

@@ -12,6 +12,7 @@ pending chunk — under ``lock``, always both or neither.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import logging
 import operator
@@ -24,7 +25,7 @@ from typing import Any
 from centralpipe.dispatch import transport
 from centralpipe.dispatch.chain import ChunkResult, StageFailure, WorkerChain
 from centralpipe.errors import WorkerError
-from centralpipe.stages import CentralNode, Count, Shard, add_stage_note
+from centralpipe.stages import CentralNode, Count, Shard
 
 __all__ = ["Chunk", "InFlight", "Run", "RunStats"]
 
@@ -110,7 +111,7 @@ class RunStats:
         self.chunk_size = FIRST_CHUNK
 
 
-class Run:
+class Run(abc.ABC):
     """Delivery, checkpoint capture and chunk pulling; subclasses obtain results."""
 
     def __init__(
@@ -346,9 +347,9 @@ class Run:
 
     # -- delivery --------------------------------------------------------------
 
+    @abc.abstractmethod
     def wait_head(self) -> Chunk | None:
         """The oldest pending chunk once its result is in; ``None`` at the end."""
-        raise NotImplementedError
 
     def outputs(self) -> Iterator[Any]:
         """Outputs in ``seq`` order; raises the central stage's exception (after
@@ -540,7 +541,3 @@ class Run:
     def delivered_in_chunk(self) -> int:
         """Outputs of the current chunk already delivered (for metrics)."""
         return self._delivered_in_current() if self.current is not None else 0
-
-
-def add_central_note(exc: BaseException, stage: str) -> None:
-    add_stage_note(exc, stage)

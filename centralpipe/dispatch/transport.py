@@ -126,11 +126,14 @@ def _recv_tensor(conn: Connection, size: int) -> torch.Tensor:
     once. The framing is ``send_bytes``': a signed 32-bit big-endian length,
     or -1 and a 64-bit length for messages over 2 GiB.
     """
-    out = torch.empty(size, dtype=torch.uint8)
     if size == 0 or not hasattr(os, "readv"):
         array = bytearray(size)
         conn.recv_bytes_into(array)
-        return torch.frombuffer(array, dtype=torch.uint8) if size else out
+        return (
+            torch.frombuffer(array, dtype=torch.uint8)
+            if size
+            else torch.empty(0, dtype=torch.uint8)
+        )
     fd = conn.fileno()
     head = bytearray(4)
     _read_exact(fd, memoryview(head))
@@ -141,6 +144,7 @@ def _recv_tensor(conn: Connection, size: int) -> torch.Tensor:
         (length,) = _FRAME_BIG.unpack(big)
     if length != size:
         raise EOFError(f"expected a {size}-byte buffer, got a {length}-byte message")
+    out = torch.empty(size, dtype=torch.uint8)
     memory = (ctypes.c_char * size).from_address(out.data_ptr())
     _read_exact(fd, memoryview(memory).cast("B"))
     return out

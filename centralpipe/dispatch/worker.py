@@ -2,14 +2,13 @@
 
 Workers are stateless: a chunk's result depends only on its items, the seed,
 the epoch and the items' ``seq``. A worker exits when its pipe closes (the
-main process closed it, or died), when told to stop, or — should it be busy
-in user code — when a watchdog thread sees the main process gone.
+main process closed it, or died), or — should it be busy in user code — when
+a watchdog thread sees the main process gone.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import sys
 import threading
@@ -20,12 +19,11 @@ from typing import Any
 from centralpipe.dispatch import transport
 from centralpipe.dispatch.chain import STATUS_READY, ChunkResult, StageFailure, WorkerChain
 
-__all__ = ["MSG_CHUNK", "MSG_RESULT", "MSG_STATES", "MSG_STOP", "WorkerSpec", "worker_main"]
+__all__ = ["MSG_CHUNK", "MSG_RESULT", "MSG_STATES", "WorkerSpec", "worker_main"]
 
 MSG_CHUNK = 1  # main → worker: (kind, run_id, cid, epoch, first_seq, items, skip)
 MSG_RESULT = 2  # worker → main: (kind, run_id, cid, ChunkResult tuple)
 MSG_STATES = 3  # both ways: request / (kind, states)
-MSG_STOP = 4  # main → worker
 #: How often a worker checks that the main process is still alive.
 _WATCHDOG_INTERVAL_S = 1.0
 
@@ -93,8 +91,6 @@ def worker_main(
                 transport.send(conn, (MSG_STATES, chain.states()))
             except (OSError, EOFError):
                 break
-        elif kind == MSG_STOP:
-            break
     conn.close()
     sys.exit(0)
 
@@ -139,8 +135,3 @@ def _drop_unpicklable(result: ChunkResult, chain: WorkerChain) -> ChunkResult:
         new_counts.append(n)
     failures.sort(key=lambda f: f.at)
     return ChunkResult(outputs, new_counts, failures or None, result.elapsed_s)
-
-
-def check_picklable(obj: Any) -> None:
-    """Raise what ``pickle`` raises for ``obj`` (used before workers start)."""
-    pickle.dumps(obj)

@@ -9,6 +9,7 @@ part without the source, which the Loader stores per stage name and which
 
 from __future__ import annotations
 
+import abc
 import time
 from typing import Any, Generic, TypeVar
 
@@ -108,8 +109,9 @@ class CentralNode(BaseNode[T], Generic[T]):
 
     # -- for subclasses ------------------------------------------------------
 
+    @abc.abstractmethod
     def produce(self) -> T:
-        raise NotImplementedError
+        """The next item, or ``StopIteration`` at the end of the epoch."""
 
     def own_state(self) -> dict[str, Any]:
         """This stage's state without its source's (a fresh dict)."""

@@ -14,11 +14,13 @@ from typing import Any, Generic, TypeVar
 
 from centralpipe.checkpoint import FORMAT_VERSION, validate
 from centralpipe.config import LoaderConfig
+from centralpipe.dispatch import protocol
+from centralpipe.dispatch.boundary import PoolPolicy, open_stream
 from centralpipe.dispatch.chain import WorkerChain
-from centralpipe.dispatch.feeder import InlineRun, PoolRun
 from centralpipe.dispatch.pool import WorkerPool
-from centralpipe.dispatch.run import InFlight, Run, RunStats
-from centralpipe.dispatch.worker import MSG_STATES, WorkerSpec
+from centralpipe.dispatch.protocol import MSG_STATES, InFlight
+from centralpipe.dispatch.reorder import Stream, StreamStats
+from centralpipe.dispatch.worker import WorkerSpec
 from centralpipe.errors import CheckpointError, PipelineError
 from centralpipe.pipeline import Pipeline
 from centralpipe.stages import CentralNode, Count, RunContext, Shard, build_central, central_length
@@ -34,7 +36,7 @@ class _Resources:
 
     def __init__(self) -> None:
         self.pool: WorkerPool | None = None
-        self.run: Run | None = None
+        self.run: Stream | None = None
         self.nodes: list[CentralNode[Any]] = []
 
     def end_run(self) -> None:
@@ -85,7 +87,7 @@ class Loader(Generic[T]):
         self._chain = WorkerChain(pipeline.worker_stages, config.seed)
         self._check_picklable()
         self.epoch = 0
-        self._stats = RunStats(config.workers.num_workers)
+        self._stats = StreamStats(config.workers.num_workers)
         self._resume: dict[str, Any] | None = None
         self._run_ids = 0
         self._res = _Resources()
@@ -130,12 +132,12 @@ class Loader(Generic[T]):
         self._res.run = run
         return self._iterate(run)
 
-    def _iterate(self, run: Run) -> Iterator[T]:
+    def _iterate(self, run: Stream) -> Iterator[T]:
         # A generator of the Loader, not of the run: `for x in Loader(...)`
         # must keep the Loader (and so its workers) alive while it iterates.
         yield from run.outputs()
 
-    def _make_run(self, *, next_seq: int, resume: InFlight | None, delivered_stamp: Any) -> Run:
+    def _make_run(self, *, next_seq: int, resume: InFlight | None, delivered_stamp: Any) -> Stream:
         w = self._config.workers
         common: dict[str, Any] = {
             "nodes": self._nodes,
@@ -151,16 +153,12 @@ class Loader(Generic[T]):
             "dispatch_name": self._pipe.dispatch_name or "dispatch",
         }
         if w.num_workers == 0:
-            return InlineRun(parallelism=1, **common)
+            return open_stream(**common)
         self._run_ids += 1
-        return PoolRun(
-            pool=self._ensure_pool(),
-            run_id=self._run_ids,
-            timeout_s=w.timeout_s,
-            max_restarts=w.max_restarts,
-            item_retries=w.item_retries,
-            **common,
+        policy = PoolPolicy(
+            timeout_s=w.timeout_s, max_restarts=w.max_restarts, item_retries=w.item_retries
         )
+        return open_stream(pool=self._ensure_pool(), run_id=self._run_ids, policy=policy, **common)
 
     def _ensure_pool(self) -> WorkerPool:
         if self._res.pool is None:
@@ -339,8 +337,10 @@ class Loader(Generic[T]):
         if self._config.workers.num_workers == 0:
             return [self._chain.states()]
         run = self._res.run
-        if isinstance(run, PoolRun) and not run.stopping:
-            return run.worker_states()
+        if run is not None and not run.stopping:
+            states = run.driver.worker_states() if run.driver is not None else None
+            if states is not None:
+                return states
         return _ask_idle_pool(self._ensure_pool())
 
     def worker_pids(self) -> list[int]:
@@ -396,18 +396,16 @@ class Loader(Generic[T]):
 
 
 def _ask_idle_pool(pool: WorkerPool) -> list[dict[str, Any]]:
-    from centralpipe.dispatch import transport
-
     pool.ensure_alive()  # a worker may have died since the last run
     out: list[dict[str, Any]] = []
     for slot in pool.slots:
         assert slot.conn is not None
         with slot.send_lock:
-            transport.send(slot.conn, (MSG_STATES,))
+            protocol.send(slot.conn, (MSG_STATES,))
         while True:
             if not slot.conn.poll(30.0):
                 raise RuntimeError(f"worker {slot.index} did not answer a state request")
-            msg = transport.recv(slot.conn)
+            msg = protocol.recv(slot.conn)
             if msg[0] == MSG_STATES:
                 out.append(msg[1])
                 break

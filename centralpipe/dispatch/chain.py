@@ -11,39 +11,19 @@ from __future__ import annotations
 import time
 import traceback
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
+from centralpipe.dispatch.protocol import (
+    STATUS_SEQ,
+    STATUS_STAGE,
+    STATUS_STARTED,
+    ChunkResult,
+    StageFailure,
+)
 from centralpipe.pipeline import StageSpec
 from centralpipe.seeding import derive_seed
 
-__all__ = ["ChunkResult", "StageFailure", "WorkerChain", "is_stateful"]
-
-# status slots shared with the main process (see dispatch.pool)
-STATUS_SEQ, STATUS_STARTED, STATUS_STAGE, STATUS_READY = 0, 1, 2, 3
-STATUS_LEN = 4
-
-
-class StageFailure(NamedTuple):
-    """An exception raised by a worker stage for one input of a chunk."""
-
-    at: int  # input index within the chunk
-    stage: str
-    exc_type: str
-    message: str
-    traceback: str
-
-
-class ChunkResult(NamedTuple):
-    """What a chunk of inputs became.
-
-    ``outputs`` is flat; ``counts[i]`` is how many outputs input ``i`` made
-    (``None``: exactly one each); ``failures`` lists inputs whose stage raised.
-    """
-
-    outputs: list[Any]
-    counts: list[int] | None
-    failures: list[StageFailure] | None
-    elapsed_s: float
+__all__ = ["WorkerChain", "is_stateful"]
 
 
 def is_stateful(fn: Any) -> bool:

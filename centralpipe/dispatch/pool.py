@@ -15,7 +15,7 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
-from centralpipe.dispatch.chain import (
+from centralpipe.dispatch.protocol import (
     STATUS_LEN,
     STATUS_READY,
     STATUS_SEQ,

@@ -1,4 +1,4 @@
-"""The worker process: receive chunks, run the worker stages, send results.
+"""The worker loop: receive chunks, run the worker stages, send results.
 
 Workers are stateless: a chunk's result depends only on its items, the seed,
 the epoch and the items' ``seq``. A worker exits when its pipe closes (the
@@ -16,14 +16,18 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from centralpipe.dispatch import transport
-from centralpipe.dispatch.chain import STATUS_READY, ChunkResult, StageFailure, WorkerChain
+from centralpipe.dispatch import protocol
+from centralpipe.dispatch.chain import WorkerChain
+from centralpipe.dispatch.protocol import (
+    MSG_CHUNK,
+    MSG_RESULT,
+    MSG_STATES,
+    STATUS_READY,
+    ChunkResult,
+    StageFailure,
+)
 
-__all__ = ["MSG_CHUNK", "MSG_RESULT", "MSG_STATES", "WorkerSpec", "worker_main"]
-
-MSG_CHUNK = 1  # main → worker: (kind, run_id, cid, epoch, first_seq, items, skip)
-MSG_RESULT = 2  # worker → main: (kind, run_id, cid, ChunkResult tuple)
-MSG_STATES = 3  # both ways: request / (kind, states)
+__all__ = ["WorkerSpec", "worker_main"]
 #: How often a worker checks that the main process is still alive.
 _WATCHDOG_INTERVAL_S = 1.0
 
@@ -75,7 +79,7 @@ def worker_main(
     status[STATUS_READY] = 1.0
     while True:
         try:
-            msg = transport.recv(conn)
+            msg = protocol.recv(conn)
         except (EOFError, OSError):
             break
         kind = msg[0]
@@ -88,7 +92,7 @@ def worker_main(
                 break
         elif kind == MSG_STATES:
             try:
-                transport.send(conn, (MSG_STATES, chain.states()))
+                protocol.send(conn, (MSG_STATES, chain.states()))
             except (OSError, EOFError):
                 break
     conn.close()
@@ -99,7 +103,7 @@ def _send_result(conn: Connection, msg: tuple[Any, ...], chain: WorkerChain) -> 
     """Send a result; outputs that cannot be pickled become failures of the
     last worker stage. False when the main process is gone."""
     try:
-        transport.send(conn, msg)
+        protocol.send(conn, msg)
         return True
     except (OSError, EOFError):
         return False
@@ -108,7 +112,7 @@ def _send_result(conn: Connection, msg: tuple[Any, ...], chain: WorkerChain) -> 
     kind, run_id, cid, result = msg
     result = _drop_unpicklable(result, chain)
     try:
-        transport.send(conn, (kind, run_id, cid, result))
+        protocol.send(conn, (kind, run_id, cid, result))
         return True
     except (OSError, EOFError):
         return False
@@ -124,9 +128,8 @@ def _drop_unpicklable(result: ChunkResult, chain: WorkerChain) -> ChunkResult:
     for i, n in enumerate(counts):
         mine = result.outputs[pos : pos + n]
         pos += n
-        try:
-            transport.dumps(mine)
-        except Exception as exc:
+        exc = protocol.picklable_error(mine)
+        if exc is not None:
             message = f"the result cannot be pickled to send it to the main process: {exc}"
             failures.append(StageFailure(i, stage, type(exc).__name__, message, ""))
             new_counts.append(0)

@@ -1,13 +1,21 @@
-"""One pass over the central chain: chunks, delivery order, and the checkpoint.
+"""The reordering side of a boundary: in-order delivery and checkpoint capture.
 
-A run pulls items from the tip of the central chain, numbers them (``seq``),
-groups them into chunks, has the worker stages run each chunk (inline, or in a
-worker process — see :mod:`centralpipe.dispatch.feeder`), and yields outputs in
-``seq`` order. ``pending`` holds every chunk pulled but not yet fully
-delivered; with the central stages' state it is the whole checkpoint.
+A :class:`Stream` is one ordered stream over a boundary: the central items
+pulled for it are numbered (``seq``) and grouped into chunks (see
+:mod:`centralpipe.dispatch.sender`); whoever runs the worker stages (inline,
+or the pool — see :mod:`centralpipe.dispatch.supervisor`) puts each chunk's
+result on the chunk; :meth:`Stream.outputs` yields the outputs in ``seq``
+order. ``pending`` holds every chunk pulled but not yet fully delivered; with
+the central stages' state it is the whole checkpoint (:meth:`Stream.capture`).
 
-Invariant: every item the central chain produced is either delivered, or in a
-pending chunk — under ``lock``, always both or neither.
+Invariants (under ``lock``):
+
+- every item the central chain produced is either delivered, or in a pending
+  chunk — always both or neither;
+- ``in_flight`` == the number of items in pending chunks plus resumed items
+  already taken from ``_resume``, i.e. dispatched and not yet retired;
+- chunks in ``pending`` have increasing, contiguous ``seq`` ranges; only the
+  head chunk is ever being delivered (``current``).
 """
 
 from __future__ import annotations
@@ -17,85 +25,38 @@ import contextlib
 import logging
 import operator
 import threading
-import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from centralpipe.dispatch import transport
-from centralpipe.dispatch.chain import ChunkResult, StageFailure, WorkerChain
+from centralpipe.dispatch.chain import WorkerChain
+from centralpipe.dispatch.protocol import Chunk, ChunkResult, InFlight
 from centralpipe.errors import WorkerError
 from centralpipe.stages import CentralNode, Count, Shard
 
-__all__ = ["Chunk", "InFlight", "Run", "RunStats"]
+__all__ = ["FIRST_CHUNK", "Driver", "Stream", "StreamStats"]
 
 logger = logging.getLogger("centralpipe")
 
-#: A chunk being filled is sent after this long even if not full.
-FLUSH_S = 0.02
-#: The feeder releases the lock at least this often while pulling.
-LOCK_SLICE_S = 0.0005
-#: Work per chunk the adaptive chunk size aims at.
-TARGET_CHUNK_S = 0.005
-MAX_CHUNK = 1024
 FIRST_CHUNK = 16
-#: Most items pulled between two looks at the clock.
-PULL_BURST = 32
 
 
-class Chunk:
-    """Consecutive dispatched items (``first_seq`` …) sent as one message."""
+class Driver(abc.ABC):
+    """Who runs a stream's chunks: inline, or the worker pool."""
 
-    __slots__ = (
-        "cid",
-        "closed",
-        "first_seq",
-        "items",
-        "raised_at",
-        "result",
-        "sent_gen",
-        "skip",
-        "skip_first",
-        "slot",
-        "stamps",
-        "unsendable",
-    )
+    @abc.abstractmethod
+    def wait_head(self) -> Chunk | None:
+        """The oldest pending chunk once its result is in; ``None`` at the end."""
 
-    def __init__(self, cid: int, first_seq: int, stamped: bool) -> None:
-        self.cid = cid
-        self.first_seq = first_seq
-        self.items: list[Any] = []
-        self.stamps: list[Any] | None = [] if stamped else None
-        self.slot = -1
-        self.sent_gen = -1
-        self.result: ChunkResult | None = None
-        self.skip: set[int] = set()  # input indexes not to run (poison items)
-        self.skip_first = 0  # outputs of input 0 delivered before a resume
-        self.closed = False
-        self.raised_at = -1  # input whose failure was raised to the consumer
-        # inputs that cannot be pickled: failures at the dispatch stage
-        self.unsendable: list[StageFailure] = []
+    def stop(self) -> None:  # noqa: B027 - optional hook
+        """Called once the stream is stopping; must return in bounded time."""
+
+    def worker_states(self) -> list[Any] | None:
+        """The workers' stateful-stage states (``None``: not a pool)."""
+        return None
 
 
-class InFlight:
-    """The in-flight part of a checkpoint: inputs to dispatch again first."""
-
-    def __init__(
-        self,
-        first_seq: int,
-        items: list[Any],
-        stamps: list[Any] | None,
-        skip_outputs: int,
-        skip: Sequence[int],
-    ) -> None:
-        self.first_seq = first_seq
-        self.items = items
-        self.stamps = stamps
-        self.skip_outputs = skip_outputs
-        self.skip = set(skip)
-
-
-class RunStats:
+class StreamStats:
     """Counters that outlive one run (the Loader's ``metrics()``)."""
 
     def __init__(self, num_slots: int) -> None:
@@ -111,8 +72,8 @@ class RunStats:
         self.chunk_size = FIRST_CHUNK
 
 
-class Run(abc.ABC):
-    """Delivery, checkpoint capture and chunk pulling; subclasses obtain results."""
+class Stream:
+    """One ordered stream over a boundary; see the module docstring."""
 
     def __init__(
         self,
@@ -126,7 +87,7 @@ class Run(abc.ABC):
         buffer_size: int | None,
         chunk_size: int | None,
         on_error: str,
-        stats: RunStats,
+        stats: StreamStats,
         dispatch_name: str,
         parallelism: int,
     ) -> None:
@@ -141,6 +102,7 @@ class Run(abc.ABC):
         self.stats = stats
         self.dispatch_name = dispatch_name
         self.parallelism = max(1, parallelism)
+        self.driver: Driver | None = None  # set by whoever assembles the stream
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self.pending: deque[Chunk] = deque()
@@ -184,137 +146,6 @@ class Run(abc.ABC):
     def stamped_nodes(self) -> list[CentralNode[Any]]:
         return self._stamped
 
-    # -- pulling (under the lock, in short slices) -----------------------------
-
-    def target_chunk(self) -> int:
-        if self.fixed_chunk is not None:
-            n = self.fixed_chunk
-        elif self.cost_per_item <= 0:
-            n = FIRST_CHUNK
-        else:
-            n = max(1, min(MAX_CHUNK, int(TARGET_CHUNK_S / self.cost_per_item)))
-        if self.buffer_size is not None:
-            n = min(n, max(1, self.buffer_size // (2 * self.parallelism)))
-        self.stats.chunk_size = n
-        return n
-
-    def pull_chunk(self) -> Chunk | None:
-        """Pull up to one chunk of items; ``None`` when nothing is left (or
-        stopping). The chunk is in ``pending`` from its first item on."""
-        target = self.target_chunk()
-        stamped = bool(self._stamped)
-        with self.lock:
-            if self.exhausted or self.stopping:
-                return None
-            if self.buffer_size is not None:
-                target = max(1, min(target, self.buffer_size - self.in_flight))
-            first_seq = self._resume[0][0] if self._resume else self.next_seq
-            chunk = Chunk(self.next_cid, first_seq, stamped)
-            self.next_cid += 1
-            self.pending.append(chunk)
-            self.by_cid[chunk.cid] = chunk
-        started = time.perf_counter()
-        nxt = self.tip.next
-        items, stamps = chunk.items, chunk.stamps
-        append = items.append
-        while True:
-            if self._readers:
-                # Lock hand-off is not fair: drop the GIL so a waiting
-                # state_dict()/query() gets the lock before we take it again.
-                time.sleep(0)
-            with self.lock:
-                if self.stopping:
-                    break
-                t0 = time.perf_counter()
-                slice_end = t0 + LOCK_SLICE_S
-                while self._resume and len(items) < target:
-                    seq, item, stamp = self._resume.popleft()
-                    if seq in self._resume_skip:
-                        chunk.skip.add(len(items))
-                    if seq == self._resume_skip_first[0]:
-                        chunk.skip_first = self._resume_skip_first[1]
-                    if stamps is not None:
-                        stamps.append(stamp if stamp is not None else self._stamp_now())
-                    append(item)
-                    self.in_flight += 1
-                before = len(items)
-                try:
-                    while len(items) < target:
-                        # Pull in short bursts; look at the clock between them.
-                        for _ in range(min(self._burst, target - len(items))):
-                            item = nxt()
-                            if stamps is not None:
-                                stamps.append(self._stamp_now())
-                            append(item)
-                        if time.perf_counter() > slice_end:
-                            break
-                except StopIteration:
-                    self.exhausted = True
-                except BaseException as exc:  # a central stage failed
-                    self.central_error = exc
-                    self.exhausted = True
-                added = len(items) - before
-                if added:
-                    # Slow central stages get a look at the clock after every
-                    # item, so the lock is never held much past LOCK_SLICE_S.
-                    per_item = max(1e-9, (time.perf_counter() - t0) / added)
-                    self._burst = max(1, min(PULL_BURST, int(LOCK_SLICE_S / per_item / 4)))
-                self.next_seq += added
-                self.in_flight += added
-                self.stats.wait_central_s += time.perf_counter() - t0
-                if self.in_flight > self.stats.high_water:
-                    self.stats.high_water = self.in_flight
-                done = self.exhausted or len(items) >= target
-                if done or time.perf_counter() - started > FLUSH_S:
-                    if not items:
-                        self.pending.remove(chunk)
-                        del self.by_cid[chunk.cid]
-                        return None
-                    chunk.closed = True
-                    self.stats.dispatched += len(items)
-                    return chunk
-        # stopping: leave the chunk in pending (the run is abandoned anyway)
-        return None
-
-    # -- results ---------------------------------------------------------------
-
-    def copy_items(self, chunk: Chunk) -> list[Any]:
-        """The chunk's items as a worker stage sees them: a pickled copy.
-
-        Inline (``num_workers=0``) this keeps a stage that mutates its item in
-        place from changing the checkpoint's in-flight items, as a worker
-        process would. Items that cannot be pickled become ``None`` and are
-        failures of the dispatch stage (:meth:`sendable_items`)."""
-        try:
-            head, buffers = transport.dumps(chunk.items)
-        except Exception:
-            head, buffers = transport.dumps(self.sendable_items(chunk))
-        copied: list[Any] = transport.loads(head, [bytearray(b) for b in buffers])
-        return copied
-
-    def sendable_items(self, chunk: Chunk) -> list[Any]:
-        """Items with each one that cannot be pickled replaced by ``None`` and
-        recorded in ``chunk.unsendable`` (the rest of the chunk goes on)."""
-        items = list(chunk.items)
-        chunk.unsendable = []
-        for i, item in enumerate(items):
-            try:
-                transport.dumps(item)
-            except Exception as exc:
-                text = (
-                    "an item from the central stages cannot be pickled for the worker "
-                    f"stages: {exc}"
-                )
-                chunk.unsendable.append(
-                    StageFailure(i, self.dispatch_name, type(exc).__name__, text, "")
-                )
-                items[i] = None
-        return items
-
-    def run_skip(self, chunk: Chunk) -> frozenset[int]:
-        """Inputs the worker stages must not run: poison and unsendable items."""
-        return frozenset(chunk.skip).union(f.at for f in chunk.unsendable)
-
     def accept(self, chunk: Chunk, result: ChunkResult) -> ChunkResult:
         """Bookkeeping for a chunk's result before it is delivered."""
         if chunk.unsendable:
@@ -347,9 +178,9 @@ class Run(abc.ABC):
 
     # -- delivery --------------------------------------------------------------
 
-    @abc.abstractmethod
     def wait_head(self) -> Chunk | None:
-        """The oldest pending chunk once its result is in; ``None`` at the end."""
+        assert self.driver is not None
+        return self.driver.wait_head()
 
     def outputs(self) -> Iterator[Any]:
         """Outputs in ``seq`` order; raises the central stage's exception (after
@@ -537,6 +368,8 @@ class Run(abc.ABC):
             if it is not None and not self.finished:
                 it.__setstate__(len(self._cur_list))  # type: ignore[attr-defined]
             self.cond.notify_all()
+        if self.driver is not None:
+            self.driver.stop()
 
     def delivered_in_chunk(self) -> int:
         """Outputs of the current chunk already delivered (for metrics)."""

@@ -1,0 +1,177 @@
+"""What crosses the dispatch boundary: messages, chunks, results, and encoding.
+
+Every message between the main process and a worker, and every copy of items
+made for the worker stages, goes through the functions here; they are the
+only callers of :mod:`centralpipe.dispatch.transport` (serialisation and
+framing), so a different transport plugs in at one place.
+
+Messages (tuples, first element the kind):
+
+- ``(MSG_CHUNK, run_id, cid, epoch, first_seq, items, skip)`` main → worker
+- ``(MSG_RESULT, run_id, cid, ChunkResult)`` worker → main
+- ``(MSG_STATES,)`` main → worker, answered by ``(MSG_STATES, states)``
+
+A worker also publishes its progress in a shared status array (``STATUS_*``
+slots): the ``seq`` and stage index of the item it is on and since when, so
+the main process can time out a hung item and name the item that killed a
+worker without asking it anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import Any, NamedTuple
+
+from centralpipe.dispatch import transport
+
+__all__ = [
+    "MSG_CHUNK",
+    "MSG_RESULT",
+    "MSG_STATES",
+    "STATUS_LEN",
+    "STATUS_READY",
+    "STATUS_SEQ",
+    "STATUS_STAGE",
+    "STATUS_STARTED",
+    "Chunk",
+    "ChunkResult",
+    "Encoded",
+    "InFlight",
+    "StageFailure",
+    "copy_items",
+    "encode",
+    "picklable_error",
+    "recv",
+    "send",
+    "send_encoded",
+]
+
+MSG_CHUNK = 1
+MSG_RESULT = 2
+MSG_STATES = 3
+
+# status slots shared between a worker and the main process
+STATUS_SEQ, STATUS_STARTED, STATUS_STAGE, STATUS_READY = 0, 1, 2, 3
+STATUS_LEN = 4
+
+
+class StageFailure(NamedTuple):
+    """An exception raised by a worker stage for one input of a chunk."""
+
+    at: int  # input index within the chunk
+    stage: str
+    exc_type: str
+    message: str
+    traceback: str
+
+
+class ChunkResult(NamedTuple):
+    """What a chunk of inputs became.
+
+    ``outputs`` is flat; ``counts[i]`` is how many outputs input ``i`` made
+    (``None``: exactly one each); ``failures`` lists inputs whose stage raised.
+    """
+
+    outputs: list[Any]
+    counts: list[int] | None
+    failures: list[StageFailure] | None
+    elapsed_s: float
+
+
+class Chunk:
+    """Consecutive dispatched items (``first_seq`` …) sent as one message."""
+
+    __slots__ = (
+        "cid",
+        "closed",
+        "first_seq",
+        "items",
+        "raised_at",
+        "result",
+        "sent_gen",
+        "skip",
+        "skip_first",
+        "slot",
+        "stamps",
+        "unsendable",
+    )
+
+    def __init__(self, cid: int, first_seq: int, stamped: bool) -> None:
+        self.cid = cid
+        self.first_seq = first_seq
+        self.items: list[Any] = []
+        self.stamps: list[Any] | None = [] if stamped else None
+        self.slot = -1
+        self.sent_gen = -1
+        self.result: ChunkResult | None = None
+        self.skip: set[int] = set()  # input indexes not to run (poison items)
+        self.skip_first = 0  # outputs of input 0 delivered before a resume
+        self.closed = False
+        self.raised_at = -1  # input whose failure was raised to the consumer
+        # inputs that cannot be pickled: failures at the boundary stage
+        self.unsendable: list[StageFailure] = []
+
+
+class InFlight:
+    """The in-flight part of a checkpoint: inputs to dispatch again first."""
+
+    def __init__(
+        self,
+        first_seq: int,
+        items: list[Any],
+        stamps: list[Any] | None,
+        skip_outputs: int,
+        skip: Sequence[int],
+    ) -> None:
+        self.first_seq = first_seq
+        self.items = items
+        self.stamps = stamps
+        self.skip_outputs = skip_outputs
+        self.skip = set(skip)
+
+
+class Encoded(NamedTuple):
+    """A message serialised once, ready to be written to a connection."""
+
+    head: bytes
+    buffers: list[memoryview]
+
+
+def encode(obj: Any) -> Encoded:
+    """Serialise ``obj`` (raises whatever pickling raises)."""
+    head, buffers = transport.dumps(obj)
+    return Encoded(head, buffers)
+
+
+def send_encoded(conn: Connection, message: Encoded) -> None:
+    """Write an encoded message (blocks while the pipe is full)."""
+    conn.send_bytes(message.head)
+    for buf in message.buffers:
+        conn.send_bytes(buf)
+
+
+def send(conn: Connection, obj: Any) -> None:
+    """Encode and write one message."""
+    transport.send(conn, obj)
+
+
+def recv(conn: Connection) -> Any:
+    """Read one message written by :func:`send` / :func:`send_encoded`."""
+    return transport.recv(conn)
+
+
+def copy_items(items: list[Any]) -> list[Any]:
+    """A serialised round trip of ``items``: what a worker would receive."""
+    head, buffers = transport.dumps(items)
+    copied: list[Any] = transport.loads(head, [bytearray(b) for b in buffers])
+    return copied
+
+
+def picklable_error(obj: Any) -> Exception | None:
+    """``None`` when ``obj`` can be serialised, else the exception."""
+    try:
+        transport.dumps(obj)
+    except Exception as exc:
+        return exc
+    return None

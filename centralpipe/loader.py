@@ -1,8 +1,9 @@
 """The Loader: epochs, checkpoints, queries, metrics, and the workers' lifetime.
 
-Each ``iter(loader)`` is one epoch (or the rest of the epoch a checkpoint
-was taken in). The central stages live here, in the caller's process; the
-worker processes are started at the first iteration and kept across epochs.
+Each pass over the loader is one epoch (or the rest of the epoch a checkpoint
+was taken in); it starts at the iterator's first ``next()``, not at
+``iter()``. The central stages live here, in the caller's process; the worker
+processes are started by the first pass and kept across epochs.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class Loader(Generic[T]):
         self._stats = StreamStats(config.workers.num_workers)
         self._resume: dict[str, Any] | None = None
         self._run_ids = 0
+        self._iters = 0
         self._res = _Resources()
         self._res.nodes = self._nodes
         self._finalizer = weakref.finalize(self, self._res.close)
@@ -106,43 +108,82 @@ class Loader(Generic[T]):
     # -- iteration -------------------------------------------------------------
 
     def __iter__(self) -> Iterator[T]:
+        # Cheap: nothing starts until the first next(), so a caller that only
+        # probes iter() (as Lightning does) starts no epoch and no worker. A
+        # newer iter() supersedes any earlier iterator at once.
         self._check_open()
         self._res.end_run()
-        resume = self._resume
-        self._resume = None
-        if resume is not None and not resume["finished"]:
-            flight = resume["in_flight"]
-            run = self._make_run(
-                next_seq=resume["next_seq"],
-                resume=InFlight(
-                    flight["first_seq"],
-                    list(flight["items"]),
-                    None if flight.get("stamps") is None else list(flight["stamps"]),
-                    flight["skip_outputs"],
-                    flight["skip"],
-                ),
-                delivered_stamp=_tuplify(resume.get("delivered_stamp")),
-            )
-        else:
-            self.epoch += 1
-            self._ctx.epoch = self.epoch
-            self._stats.epoch_restarts = 0
-            self._nodes[-1].load_flat(None)
-            run = self._make_run(next_seq=0, resume=None, delivered_stamp=None)
-        self._res.run = run
-        return self._iterate(run)
+        self._iters += 1
+        return self._iterate(self._iters, None)
 
-    def _iterate(self, run: Stream) -> Iterator[T]:
+    def _iter_started(self) -> Iterator[T]:
+        """``iter()`` that starts the pass now: for wrappers that are lazy
+        themselves and read the pass's starting state (``progress``)."""
+        iter(self)
+        return self._iterate(self._iters, self._start_run())
+
+    def _iterate(self, ticket: int, run: Stream | None) -> Iterator[T]:
         # A generator of the Loader, not of the run: `for x in Loader(...)`
         # must keep the Loader (and so its workers) alive while it iterates.
+        if run is None:
+            if ticket != self._iters:
+                raise RuntimeError(
+                    "this iterator was superseded before it started: iter(loader) was called "
+                    "again; iterate the newest iterator."
+                )
+            self._check_open()
+            run = self._start_run()
         yield from run.outputs()
 
-    def _make_run(self, *, next_seq: int, resume: InFlight | None, delivered_stamp: Any) -> Stream:
+    def _start_run(self) -> Stream:
+        """Start the pending resume or the next epoch. The epoch counter and
+        the pending checkpoint change only once the run has started: after an
+        error or Ctrl-C while starting (workers, files), ``state_dict()``
+        still resumes the epoch that was being started."""
+        self._res.end_run()
+        resume = self._resume
+        if resume is not None and not resume["finished"]:
+            flight = resume["in_flight"]
+            try:
+                run = self._make_run(
+                    epoch=self.epoch,
+                    next_seq=resume["next_seq"],
+                    resume=InFlight(
+                        flight["first_seq"],
+                        list(flight["items"]),
+                        None if flight.get("stamps") is None else list(flight["stamps"]),
+                        flight["skip_outputs"],
+                        flight["skip"],
+                    ),
+                    delivered_stamp=_tuplify(resume.get("delivered_stamp")),
+                )
+            except BaseException:
+                # The central stages stay at the checkpoint's position.
+                self._nodes[-1].load_flat(dict(resume["central"]))
+                raise
+        else:
+            epoch = self.epoch + 1
+            self._ctx.epoch = epoch
+            try:
+                self._nodes[-1].load_flat(None)
+                run = self._make_run(epoch=epoch, next_seq=0, resume=None, delivered_stamp=None)
+            except BaseException:
+                self._ctx.epoch = self.epoch
+                raise
+            self.epoch = epoch
+            self._stats.epoch_restarts = 0
+        self._resume = None
+        self._res.run = run
+        return run
+
+    def _make_run(
+        self, *, epoch: int, next_seq: int, resume: InFlight | None, delivered_stamp: Any
+    ) -> Stream:
         w = self._config.workers
         common: dict[str, Any] = {
             "nodes": self._nodes,
             "chain": self._chain,
-            "epoch": self.epoch,
+            "epoch": epoch,
             "next_seq": next_seq,
             "resume": resume,
             "delivered_stamp": delivered_stamp,
@@ -167,8 +208,12 @@ class Loader(Generic[T]):
             w = self._config.workers
             spec = WorkerSpec(self._chain, os.getpid())
             pool = WorkerPool(w.num_workers, w.resolved_start_method(), spec)
+            try:
+                pool.start()
+            except BaseException:
+                pool.close()  # no half-started pool: the next iteration starts afresh
+                raise
             self._res.pool = pool
-            pool.start()
         return self._res.pool
 
     def __len__(self) -> int:

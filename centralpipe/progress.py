@@ -109,9 +109,10 @@ def _iterate(
     min_interval_s: float,
     tqdm_kwargs: dict[str, Any],
 ) -> Generator[T, None, None]:
-    # ``iter()`` first: starting a new epoch resets the count stage, and a
-    # resumed loader reports the checkpoint's totals only from here on.
-    it = iter(loader)
+    # Start the pass first (this generator is itself lazy): starting a new
+    # epoch resets the count stage, and a resumed loader reports the
+    # checkpoint's totals only from here on.
+    it = loader._iter_started()
     state = loader.query(stage, delivered=True)
     bar = tqdm(
         total=total,

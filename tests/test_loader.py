@@ -54,14 +54,15 @@ class _CountingDataset:
 
 
 def test_each_iter_is_the_next_epoch() -> None:
-    """`loader.epoch` counts epochs started; every `iter()` starts the next one."""
+    """`loader.epoch` counts epochs started; each pass starts the next one at its first item."""
     with cp.Loader(cp.Pipeline.from_iterable([1, 2, 3])) as loader:
         assert loader.epoch == 0
         assert collect(loader) == [1, 2, 3]
         assert loader.epoch == 1
         it = iter(loader)
-        assert loader.epoch == 2
+        assert loader.epoch == 1, "iter() alone starts nothing"
         assert next(it) == 1
+        assert loader.epoch == 2
         assert collect(loader) == [1, 2, 3], "a new iter() abandons the unfinished epoch"
         assert loader.epoch == 3
 

@@ -6,6 +6,7 @@ checkpoints are exact and instant, state is queryable live, and output is the
 same for any number of workers.
 """
 
+from centralpipe import packing as packing
 from centralpipe.config import DistributedConfig, LoaderConfig, WorkerConfig
 from centralpipe.errors import (
     CentralpipeError,

@@ -273,6 +273,44 @@ class Pipeline:
         }
         return self._add("bucket_by_max_tokens", name, "central", fn=len_fn, options=options)
 
+    def pack(
+        self,
+        max_tokens: int,
+        /,
+        *,
+        len_fn: Callable[[Any], int] = len,
+        strategy: Literal["first_fit", "best_fit"] = "best_fit",
+        buffer_size: int = 1000,
+        oversize: Literal["raise", "drop"] = "raise",
+        name: str | None = None,
+    ) -> Pipeline:
+        """Lists of items whose summed ``len_fn`` is at most ``max_tokens``,
+        packed online into open groups (``"first_fit"``: the oldest group the
+        item fits in; ``"best_fit"``: the one it fills most). A group leaves
+        when full, or oldest first once the open groups hold more than
+        ``buffer_size`` items. An item longer than ``max_tokens`` raises
+        ``PipelineError`` at iteration (``oversize="raise"``) or is dropped and
+        counted (``"drop"``). ``query(name)`` reports the fill rate so far."""
+        from centralpipe.stages.pack import OVERSIZE, STRATEGIES
+
+        stage = name or self._default_name("pack")
+        _check_int(max_tokens, "max_tokens", stage, 1)
+        _check_callable(len_fn, "`len_fn`", stage)
+        _check_int(buffer_size, "buffer_size", stage, 1)
+        if strategy not in STRATEGIES:
+            msg = f"stage '{stage}': `strategy` must be one of {STRATEGIES}, got {strategy!r}."
+            raise PipelineError(msg)
+        if oversize not in OVERSIZE:
+            msg = f"stage '{stage}': `oversize` must be one of {OVERSIZE}, got {oversize!r}."
+            raise PipelineError(msg)
+        options = {
+            "max_tokens": max_tokens,
+            "strategy": strategy,
+            "buffer_size": buffer_size,
+            "oversize": oversize,
+        }
+        return self._add("pack", name, "central", fn=len_fn, options=options)
+
     def shuffle(self, buffer_size: int, /, *, name: str | None = None) -> Pipeline:
         """Buffered shuffle seeded by ``(seed, epoch)``; the buffer and the
         generator state are checkpointed."""

@@ -17,6 +17,7 @@ RUN_TIMEOUT_S = 120
 COVERED = {
     "token_buckets.py": "test_token_buckets_resumes_exactly",
     "make_corpus.py": "test_make_corpus_writes_the_committed_corpus",
+    "packed_pretraining.py": "test_packed_pretraining_reports_fill_and_resumes",
 }
 
 
@@ -55,6 +56,22 @@ def test_token_buckets_resumes_exactly(args: list[str], tmp_path: Path) -> None:
     assert f"(rank 0/1, {args[1]} workers)" in line
     assert "checkpoint: saved at batch " in proc.stdout
     assert ckpt.stat().st_size > 0
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 30)
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param(["--workers", "2"], id="best_fit-2workers"),
+    ],
+)
+def test_packed_pretraining_reports_fill_and_resumes(args: list[str]) -> None:
+    """The packed pre-training example reports its fill rate and resumes exactly."""
+    proc = _run(EXAMPLES / "packed_pretraining.py", *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "fill rate " in proc.stdout
+    (line,) = _resumed_lines(proc.stdout)
+    assert line.startswith("resumed exactly: ") and f"({args[1]} workers)" in line
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)

@@ -15,6 +15,7 @@ from centralpipe.stages.base import SOURCE_KEY, CentralNode, RunContext, add_sta
 from centralpipe.stages.batch import Batch, BucketByMaxTokens
 from centralpipe.stages.count import Count
 from centralpipe.stages.files import ReadLines
+from centralpipe.stages.pack import Pack
 from centralpipe.stages.shard import Shard, shard_length
 from centralpipe.stages.shuffle import Shuffle
 from centralpipe.stages.sources import DatasetSource, FilesSource, IterableSource, NodeSource
@@ -57,6 +58,8 @@ def _build_one(
         return Batch(source, o["batch_size"], o["drop_last"], name=name, ctx=ctx)
     if spec.kind == "bucket_by_max_tokens":
         return BucketByMaxTokens(source, spec.fn, name=name, ctx=ctx, **o)
+    if spec.kind == "pack":
+        return Pack(source, spec.fn, name=name, ctx=ctx, **o)
     if spec.kind == "shuffle":
         return Shuffle(source, o["buffer_size"], name=name, ctx=ctx)
     if spec.kind == "count":

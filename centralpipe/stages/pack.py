@@ -1,0 +1,310 @@
+"""``pack``: sequences into groups of at most ``max_tokens``, first- or best-fit.
+
+Items are placed as they arrive into *open groups* (online bin packing):
+
+- ``"first_fit"`` puts an item into the oldest open group it fits in;
+- ``"best_fit"`` into the open group it fills most (least room left; ties: the
+  oldest).
+
+An item that fits nowhere opens a new group. A group leaves as soon as it is
+exactly full; and whenever the open groups hold more than ``buffer_size``
+items, the oldest open group leaves, so no item waits for more than about
+``buffer_size`` later items. At the end of the epoch the remaining groups leave
+oldest first. The output depends only on the input order: deterministic, the
+same on every rank and for any number of workers.
+
+An item longer than ``max_tokens`` raises :class:`~centralpipe.PipelineError`
+naming the stage and the length (``oversize="raise"``), or is dropped and
+counted (``"drop"``). The state is the open groups (their items) and the totals
+behind the fill rate (tokens in emitted groups / their capacity).
+
+Both strategies cost O(log open groups) per item: best-fit bisects a list of
+``(room, group id)`` kept sorted; first-fit descends a max-tree of room over
+group slots in age order.
+"""
+
+from __future__ import annotations
+
+import bisect
+import operator
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from torchdata.nodes import BaseNode
+
+from centralpipe.errors import CheckpointError, PipelineError
+from centralpipe.stages.base import CentralNode, RunContext
+
+__all__ = ["STRATEGIES", "Pack"]
+
+STRATEGIES = ("first_fit", "best_fit")
+OVERSIZE = ("raise", "drop")
+
+GROUPS_KEY = "groups"
+EMITTED_KEY = "emitted"
+TOKENS_KEY = "tokens"
+DROPPED_KEY = "dropped"
+DRAINING_KEY = "draining"
+
+# An open group: [room left, items, first-fit slot].
+_ROOM, _ITEMS, _SLOT = 0, 1, 2
+
+
+class _FirstFitTree:
+    """Leftmost slot whose room is >= n, over slots given out in age order.
+
+    A max-tree over ``size`` leaves (a power of two at least twice the most
+    groups ever open at once); when slots run out, the open groups are given
+    slots ``0..k-1`` again in age order and the tree is rebuilt (amortised
+    O(1) per group)."""
+
+    def __init__(self, max_open: int) -> None:
+        size = 1
+        while size < 2 * max_open:
+            size *= 2
+        self.size = size
+        self.tree = [-1] * (2 * size)
+        self.ids: list[int] = [-1] * size
+        self.next_slot = 0
+
+    def find(self, n: int) -> int | None:
+        tree = self.tree
+        if tree[1] < n:
+            return None
+        i, size = 1, self.size
+        while i < size:
+            i *= 2
+            if tree[i] < n:
+                i += 1
+        return self.ids[i - size]
+
+    def set(self, slot: int, room: int) -> None:
+        tree = self.tree
+        i = slot + self.size
+        tree[i] = room
+        i >>= 1
+        while i:
+            left, right = tree[2 * i], tree[2 * i + 1]
+            tree[i] = left if left >= right else right
+            i >>= 1
+
+    def add(self, gid: int, room: int, groups: dict[int, list[Any]], order: deque[int]) -> int:
+        if self.next_slot == self.size:
+            self.rebuild(groups, order)
+        slot = self.next_slot
+        self.next_slot += 1
+        self.ids[slot] = gid
+        self.set(slot, room)
+        return slot
+
+    def rebuild(self, groups: dict[int, list[Any]], order: deque[int]) -> None:
+        size = self.size
+        self.tree = tree = [-1] * (2 * size)
+        self.ids = [-1] * size
+        slot = 0
+        for gid in order:
+            group = groups.get(gid)
+            if group is None:
+                continue
+            group[_SLOT] = slot
+            self.ids[slot] = gid
+            tree[size + slot] = group[_ROOM]
+            slot += 1
+        self.next_slot = slot
+        for i in range(size - 1, 0, -1):
+            left, right = tree[2 * i], tree[2 * i + 1]
+            tree[i] = left if left >= right else right
+
+
+class Pack(CentralNode[list[Any]]):
+    kind = "pack"
+
+    def __init__(
+        self,
+        source: BaseNode[Any],
+        len_fn: Callable[[Any], int],
+        *,
+        max_tokens: int,
+        strategy: str,
+        buffer_size: int,
+        oversize: str,
+        name: str,
+        ctx: RunContext,
+    ) -> None:
+        super().__init__(source, name=name, ctx=ctx)
+        self._len_fn = len_fn
+        self._max = max_tokens
+        self._best = strategy == "best_fit"
+        self._buffer_size = buffer_size
+        self._drop = oversize == "drop"
+        self._clear()
+
+    def _clear(self) -> None:
+        self._groups: dict[int, list[Any]] = {}
+        self._order: deque[int] = deque()  # group ids by age; closed ones skipped lazily
+        self._by_room: list[tuple[int, int]] = []  # best-fit: sorted (room, id)
+        self._tree = None if self._best else _FirstFitTree(self._buffer_size + 1)
+        self._next_id = 0
+        self._held = 0
+        self._emitted = 0
+        self._tokens = 0
+        self._dropped = 0
+        self._draining = False
+
+    def produce(self) -> list[Any]:
+        source = self.source
+        assert source is not None
+        groups = self._groups
+        while True:
+            if self._draining:
+                if not groups:
+                    raise StopIteration
+                return self._emit(self._oldest())
+            try:
+                item = next(source)
+            except StopIteration:
+                self._draining = True
+                continue
+            n = self._length(item)
+            if n > self._max:
+                if self._drop:
+                    self._dropped += 1
+                    continue
+                msg = (
+                    f"stage '{self.name}': an item of length {n} is longer than "
+                    f"max_tokens={self._max}; split such items before pack(), or pass "
+                    f"oversize='drop' to drop them (counted in query('{self.name}'))."
+                )
+                raise PipelineError(msg)
+            gid = self._find(n)
+            if gid is None:
+                gid = self._open()
+            group = groups[gid]
+            room = group[_ROOM]
+            group[_ITEMS].append(item)
+            self._held += 1
+            self._set_room(gid, group, room, room - n)
+            if room == n:
+                return self._emit(gid)
+            if self._held > self._buffer_size:
+                return self._emit(self._oldest())
+
+    def _length(self, item: Any) -> int:
+        raw = self._len_fn(item)
+        try:
+            n = operator.index(raw)
+        except TypeError:
+            n = -1
+        if n < 0 or isinstance(raw, bool):
+            msg = f"stage '{self.name}': len_fn must return an int >= 0, got {raw!r}."
+            raise PipelineError(msg)
+        return n
+
+    def _find(self, n: int) -> int | None:
+        if self._best:
+            rooms = self._by_room
+            i = bisect.bisect_left(rooms, (n, -1))
+            return rooms[i][1] if i < len(rooms) else None
+        assert self._tree is not None
+        return self._tree.find(n)
+
+    def _open(self) -> int:
+        gid = self._next_id
+        self._next_id = gid + 1
+        group: list[Any] = [self._max, [], -1]
+        if self._best:
+            bisect.insort(self._by_room, (self._max, gid))
+        else:
+            assert self._tree is not None
+            # Before the group is registered: a rebuild re-slots the others only.
+            group[_SLOT] = self._tree.add(gid, self._max, self._groups, self._order)
+        self._groups[gid] = group
+        self._order.append(gid)
+        return gid
+
+    def _set_room(self, gid: int, group: list[Any], old: int, new: int) -> None:
+        group[_ROOM] = new
+        if self._best:
+            rooms = self._by_room
+            del rooms[bisect.bisect_left(rooms, (old, gid))]
+            if new:  # a full group leaves at once; keep it out of the index
+                bisect.insort(rooms, (new, gid))
+        else:
+            assert self._tree is not None
+            self._tree.set(group[_SLOT], new)
+
+    def _oldest(self) -> int:
+        order, groups = self._order, self._groups
+        while order[0] not in groups:
+            order.popleft()
+        return order[0]
+
+    def _emit(self, gid: int) -> list[Any]:
+        group = self._groups.pop(gid)
+        room, items = group[_ROOM], group[_ITEMS]
+        if self._best:
+            if room:
+                rooms = self._by_room
+                del rooms[bisect.bisect_left(rooms, (room, gid))]
+        else:
+            assert self._tree is not None
+            self._tree.set(group[_SLOT], -1)
+        if len(self._order) > 4 * len(self._groups) + 64:
+            # Closed groups behind a long-open one: drop their ids from the age order.
+            self._order = deque(g for g in self._order if g in self._groups)
+        self._held -= len(items)
+        self._emitted += 1
+        self._tokens += self._max - room
+        return items
+
+    # -- state ----------------------------------------------------------------------
+
+    def own_state(self) -> dict[str, Any]:
+        groups = self._groups
+        open_groups = [
+            [groups[gid][_ROOM], list(groups[gid][_ITEMS])] for gid in self._order if gid in groups
+        ]
+        return {
+            GROUPS_KEY: open_groups,
+            EMITTED_KEY: self._emitted,
+            TOKENS_KEY: self._tokens,
+            DROPPED_KEY: self._dropped,
+            DRAINING_KEY: self._draining,
+        }
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        self._clear()
+        if state is None:
+            return
+        for room, items in state[GROUPS_KEY]:
+            room, items = int(room), list(items)
+            if not items or not 0 < room <= self._max:
+                msg = (
+                    f"stage '{self.name}': the checkpoint holds an open group of "
+                    f"{len(items)} item(s) with {room} tokens of room, which max_tokens="
+                    f"{self._max} does not allow; was it taken with other pack() settings?"
+                )
+                raise CheckpointError(msg)
+            gid = self._open()
+            group = self._groups[gid]
+            group[_ITEMS] = items
+            self._held += len(items)
+            self._set_room(gid, group, self._max, room)
+        self._emitted = int(state[EMITTED_KEY])
+        self._tokens = int(state[TOKENS_KEY])
+        self._dropped = int(state[DROPPED_KEY])
+        self._draining = bool(state[DRAINING_KEY])
+
+    def query_state(self) -> dict[str, Any]:
+        capacity = self._emitted * self._max
+        return {
+            "groups": self._emitted,
+            "tokens": self._tokens,
+            "capacity": capacity,
+            "fill_rate": self._tokens / capacity if capacity else None,
+            "dropped": self._dropped,
+            "buffered": self._held,
+            "open_groups": len(self._groups),
+            "draining": self._draining,
+        }

@@ -2,7 +2,9 @@
 
 - ``bench``: throughput against torch's DataLoader and torchdata.nodes, and
   ``state_dict()`` latency (:mod:`centralpipe.bench`); prints markdown.
-- ``inspect PATH``: a readable summary of a checkpoint saved with ``torch.save``.
+- ``inspect PATH``: a readable summary of a checkpoint saved with ``torch.save``,
+  checked against the checkpoint model; loads with ``weights_only=True`` unless
+  ``--unsafe-load`` is given for a trusted file.
 - ``soak``: long-running robustness run (:mod:`centralpipe.soak`); its options
   are its own, passed through unchanged.
 """
@@ -13,7 +15,7 @@ import argparse
 import importlib
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 __all__ = ["main"]
@@ -43,14 +45,24 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_arguments(b)
     i = sub.add_parser(
         "inspect",
-        help="summarise a checkpoint file",
+        help="summarise and check a checkpoint file",
         description=(
             "Print a summary of a checkpoint written with torch.save(loader.state_dict(), PATH) "
-            "(or of a dict holding one). The file is loaded with torch.load(weights_only=False), "
-            "which runs pickle: only inspect files you trust."
+            "(or of a dict holding one) and check it against the checkpoint format; exits 1 "
+            "if it is damaged. The file is loaded with torch.load(weights_only=True), which "
+            "runs no code from it."
         ),
     )
     i.add_argument("path", help="checkpoint file")
+    i.add_argument(
+        "--unsafe-load",
+        action="store_true",
+        help=(
+            "load with torch.load(weights_only=False), for checkpoints whose in-flight items "
+            "are objects of your own classes. This runs pickle, which can run any code the "
+            "file holds: only for files you trust."
+        ),
+    )
     sub.add_parser(
         "soak",
         help="long robustness run (options: soak --help)",
@@ -71,9 +83,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return bench.main(args, args_list[1:])
     if args.command == "inspect":
-        return _inspect(args.path)
+        return _quiet_on_closed_pipe(lambda: _inspect(args.path, unsafe_load=args.unsafe_load))
     parser.print_help()
     return 0
+
+
+def _quiet_on_closed_pipe(command: Callable[[], int]) -> int:
+    """Run ``command``; a reader that went away (``| head``) ends it quietly."""
+    try:
+        code = command()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null so that
+        # flush does not fail (and print a traceback) too.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 0
+    return code
 
 
 # -- soak ---------------------------------------------------------------------------------
@@ -98,16 +125,26 @@ def _soak(argv: list[str]) -> int:
 # -- inspect ------------------------------------------------------------------------------
 
 
-def _inspect(path: str) -> int:
+def _inspect(path: str, *, unsafe_load: bool) -> int:
     import torch
 
     if not os.path.isfile(path):
         print(f"{PROG} inspect: no such file: {path}", file=sys.stderr)
         return 1
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=False)
+        obj = torch.load(path, map_location="cpu", weights_only=not unsafe_load)
     except Exception as exc:
-        print(f"{PROG} inspect: cannot load {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        hint = (
+            ""
+            if unsafe_load
+            else " If the file is yours and holds items of your own classes, it needs pickle: "
+            "rerun with --unsafe-load (it runs code from the file; only for files you trust)."
+        )
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        print(
+            f"{PROG} inspect: cannot load {path}: {type(exc).__name__}: {first}{hint}",
+            file=sys.stderr,
+        )
         return 1
     sd, where = _find_state(obj)
     if sd is None:
@@ -120,7 +157,11 @@ def _inspect(path: str) -> int:
             file=sys.stderr,
         )
         return 1
-    print(summarize(sd, source=f"{path} ({_size(os.path.getsize(path))})" + where))
+    text, problem = summarize_checked(sd, source=f"{path} ({_size(os.path.getsize(path))})" + where)
+    print(text)
+    if problem:
+        print(f"{PROG} inspect: {problem}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -135,45 +176,75 @@ def _find_state(obj: Any) -> tuple[Mapping[str, Any] | None, str]:
     return None, ""
 
 
+def summarize_checked(sd: Mapping[str, Any], *, source: str = "") -> tuple[str, str]:
+    """The summary of ``sd`` and, when it does not pass the checkpoint model
+    (:mod:`centralpipe.checkpoint`), the reason (else ``""``)."""
+    from centralpipe import checkpoint
+    from centralpipe.errors import CheckpointError
+    from centralpipe.stages import NODE_CLASSES
+
+    try:
+        ckpt = checkpoint.structure(sd)
+        for name, kind in ckpt.fingerprint:
+            cls = getattr(NODE_CLASSES.get(kind), "State", None)
+            if cls is not None and name in ckpt.central:
+                checkpoint.structure_state(ckpt.central[name], cls, name)
+    except CheckpointError as exc:
+        return summarize(sd, source=source), str(exc)
+    return summarize(sd, source=source), ""
+
+
 def summarize(sd: Mapping[str, Any], *, source: str = "") -> str:
-    """A readable, line-per-fact summary of a checkpoint dict."""
+    """A readable, line-per-fact summary of a checkpoint dict (damaged ones too)."""
     lines = [f"centralpipe checkpoint{': ' + source if source else ''}"]
     add = lines.append
     add(f"  format_version: {sd.get('format_version')!r}")
     finished = sd.get("finished")
     state = "finished" if finished else "in progress" if finished is not None else "?"
     add(f"  epoch: {sd.get('epoch')!r} ({state})")
-    dist = sd.get("distributed") or {}
+    dist = _mapping(sd.get("distributed"))
     add(f"  rank / world size: {dist.get('rank', '?')} / {dist.get('world_size', '?')}")
     add(f"  seed: {sd.get('seed')!r}")
-    add(f"  next_seq: {sd.get('next_seq')!r}")
-    position = sd.get("position") or {}
+    position = _mapping(sd.get("position"))
     add(f"  pre_shard_index: {position.get('pre_shard_index')!r}")
-    flight = sd.get("in_flight") or {}
-    items = flight.get("items") or []
-    add(
-        f"  in-flight items: {len(items)} (first seq {flight.get('first_seq')!r}, "
-        f"{flight.get('skip_outputs', 0)} outputs of the first already delivered, "
-        f"{len(flight.get('skip') or [])} to skip)"
-    )
-    if items:
-        add(f"    first: {_short(items[0])}")
+    for boundary, raw in _mapping(sd.get("in_flight")).items():
+        flight = _mapping(raw)
+        items = flight.get("items")
+        items = items if isinstance(items, (list, tuple)) else []
+        skip = flight.get("skip")
+        add(
+            f"  in-flight items at {boundary!r}: {len(items)} (seqs from "
+            f"{flight.get('first_seq')!r}, next_seq {flight.get('next_seq')!r}, "
+            f"{flight.get('skip_outputs', 0)!r} outputs of the first already delivered, "
+            f"{len(skip) if isinstance(skip, (list, tuple)) else '?'} to skip)"
+        )
+        if items:
+            add(f"    first: {_short(items[0])}")
     if sd.get("delivered_stamp") is not None:
         add(f"  delivered stamp: {_short(sd['delivered_stamp'])}")
-    kinds = {name: kind for name, kind in sd.get("fingerprint") or []}
-    central = sd.get("central") or {}
+    fingerprint = sd.get("fingerprint")
+    kinds = {
+        pair[0]: pair[1]
+        for pair in (fingerprint if isinstance(fingerprint, (list, tuple)) else [])
+        if isinstance(pair, (list, tuple)) and len(pair) == 2
+    }
+    central = _mapping(sd.get("central"))
     add(f"  central stages ({len(central)}):")
-    for name, state in central.items():
-        add(f"    {name} ({kinds.get(name, '?')}):" + ("" if state else " no state"))
-        if isinstance(state, Mapping):
-            for key, value in state.items():
+    for name, stage_state in central.items():
+        add(f"    {name} ({kinds.get(name, '?')}):" + ("" if stage_state else " no state"))
+        if isinstance(stage_state, Mapping):
+            for key, value in stage_state.items():
                 add(f"      {key}: {_short(value)}")
-        elif state:
-            add(f"      {_short(state)}")
+        elif stage_state:
+            add(f"      {_short(stage_state)}")
     rest = [f"{n} ({k})" for n, k in kinds.items() if n not in central]
     if rest:
         add(f"  dispatch and worker stages: {', '.join(rest)}")
     return "\n".join(lines)
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
 
 
 def _short(value: Any) -> str:

@@ -331,7 +331,7 @@ def _state_run(pipe: cp.Pipeline, workers: int, every: int, start_method: str | 
                 s = clock()
                 sd = loader.state_dict()
                 lat.append(clock() - s)
-                flight.append(len(sd["in_flight"]["items"]))
+                flight.append(sum(len(f["items"]) for f in sd["in_flight"].values()))
         total = clock() - t0
     return StateRun(Timing(n, first, total), lat, flight)
 

@@ -1,150 +1,428 @@
-"""The checkpoint format and its validation.
+"""The checkpoint: one typed model that builds, validates and prints it.
 
-A checkpoint is a plain dict of builtins (and whatever tensors the items hold),
-safe for ``torch.save`` and ``torch.distributed.checkpoint``::
+On the wire a checkpoint is a plain dict of builtins (and whatever tensors the
+items hold), safe for ``torch.save`` and ``torch.distributed.checkpoint``::
 
     {
-      "format_version": 1,
+      "format_version": 2,
       "fingerprint": [[stage name, kind], ...],   # the whole pipeline
       "seed": int, "epoch": int, "finished": bool,
       "distributed": {"rank": int, "world_size": int},
       "central": {stage name: that stage's own state, ...},
-      "next_seq": int,                            # next dispatch index
-      "in_flight": {"first_seq": int, "items": [...], "stamps": [...] | None,
-                    "skip_outputs": int, "skip": [seq, ...]},
-      "delivered_stamp": ... | None,              # count/shard totals as delivered
+      "in_flight": {boundary name: {               # e.g. "dispatch"
+          "next_seq": int,                         # next index at the boundary
+          "first_seq": int, "items": [...],        # dispatched, not delivered
+          "stamps": [...] | None, "skip_outputs": int, "skip": [seq, ...]}},
+      "delivered_stamp": [...] | None,             # count/shard totals as delivered
       "position": {"pre_shard_index": int | None},
     }
 
 It describes the position after the last item the consumer received: the
-central stages' state at the feeder's (possibly later) position plus the
-inputs dispatched but not delivered, which a resume dispatches first.
+central stages' state at the feeder's (possibly later) position plus, per
+boundary, the inputs sent on but not delivered, which a resume sends first.
+
+:class:`Checkpoint` is that layout as attrs classes; :func:`structure` builds
+it from a wire dict with cattrs, checking every type and range (errors name the
+key path, what was expected and what was got). Each stage kind declares its own
+state class (``CentralNode.State``); :func:`check_pipeline` then checks the
+checkpoint against the pipeline it is loaded into. ``Loader.state_dict()``
+writes the wire dict directly (it is taken every few steps and must stay
+cheap); a test pins that it always structures into this model.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar, cast
+
+import attrs
+import cattrs
+from attrs import validators as v
+from cattrs.gen import make_dict_structure_fn
 
 from centralpipe.errors import CheckpointError
+from centralpipe.validators import NUMBER, FieldError, checked, int_in, sequence_of
 
-__all__ = ["FORMAT_VERSION", "validate"]
+__all__ = [
+    "FORMAT_VERSION",
+    "Boundary",
+    "Checkpoint",
+    "Distributed",
+    "Position",
+    "structure",
+    "structure_state",
+    "unstructure",
+]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Counts, seqs and indexes fit an int64 (tensors, torch.distributed.checkpoint).
+INT64_END = 2**63
+#: Seeds are mixed as 64-bit values: larger ones would repeat smaller ones' streams.
+SEED_END = 2**64
 
-_TOP: dict[str, type | tuple[type, ...]] = {
-    "format_version": int,
-    "fingerprint": list,
-    "seed": int,
-    "epoch": int,
-    "finished": bool,
-    "distributed": Mapping,
-    "central": Mapping,
-    "next_seq": int,
-    "in_flight": Mapping,
-}
-_IN_FLIGHT: dict[str, type | tuple[type, ...]] = {
-    "first_seq": int,
-    "items": list,
-    "skip_outputs": int,
-    "skip": list,
-}
+T = TypeVar("T")
 
 
-def _type_name(t: type | tuple[type, ...]) -> str:
-    return t.__name__ if isinstance(t, type) else " or ".join(x.__name__ for x in t)
+def _count(name: str = "an int >= 0") -> Any:
+    return checked(FieldError, name, int_in(0, INT64_END))
 
 
-def _check_keys(d: Mapping[str, Any], spec: dict[str, Any], where: str) -> None:
-    for key, typ in spec.items():
-        if key not in d:
-            raise CheckpointError(f"damaged checkpoint: {where}missing key {key!r}.")
-        value = d[key]
-        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-            msg = (
-                f"damaged checkpoint: {where}{key!r} should be {_type_name(typ)}, "
-                f"got {type(value).__name__}."
+def _is_stamp_entry(_inst: Any, _attr: attrs.Attribute[Any], value: Any) -> None:
+    # A shard stamps its index (int); a count stamps (items, weight).
+    if isinstance(value, int) and not isinstance(value, bool):
+        if not 0 <= value < INT64_END:
+            raise ValueError(value)
+        return
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise TypeError(value)
+    items, weight = value
+    int_in(0, INT64_END)(_inst, _attr, items)
+    NUMBER(_inst, _attr, weight)
+
+
+STAMP = sequence_of(_is_stamp_entry)
+_IS_MAPPING: Any = v.instance_of(cast(type, Mapping))
+STAMP_TEXT = "a list of shard indexes (int >= 0) and count totals ([items, weight])"
+
+
+@attrs.frozen(kw_only=True)
+class Distributed:
+    rank: int = attrs.field(validator=_count())
+    world_size: int = attrs.field(validator=checked(FieldError, "an int >= 1", int_in(1)))
+
+    def __attrs_post_init__(self) -> None:
+        if self.rank >= self.world_size:
+            raise FieldError("rank", f"< world_size ({self.world_size})", self.rank)
+
+
+@attrs.frozen(kw_only=True)
+class Position:
+    pre_shard_index: int | None = attrs.field(
+        validator=checked(FieldError, "None or an int >= 0", v.optional(int_in(0, INT64_END)))
+    )
+
+
+@attrs.frozen(kw_only=True)
+class Boundary:
+    """The inputs sent across one boundary (e.g. ``dispatch``) and not yet
+    delivered, oldest first: ``items[i]`` has seq ``first_seq + i``."""
+
+    next_seq: int = attrs.field(validator=_count())
+    first_seq: int = attrs.field(validator=_count())
+    items: list[Any] = attrs.field(validator=checked(FieldError, "a list", sequence_of()))
+    stamps: list[Any] | None = attrs.field(
+        validator=checked(
+            FieldError, f"None or a list of stamps ({STAMP_TEXT})", v.optional(sequence_of(STAMP))
+        )
+    )
+    skip_outputs: int = attrs.field(validator=_count())
+    skip: list[int] = attrs.field(
+        validator=checked(FieldError, "a list of seqs", sequence_of(int_in(0, INT64_END)))
+    )
+
+    def __attrs_post_init__(self) -> None:
+        n = len(self.items)
+        if self.first_seq + n != self.next_seq:
+            expected = f"first_seq + len(items) = {self.first_seq} + {n} = {self.first_seq + n}"
+            raise FieldError("next_seq", expected, self.next_seq)
+        if self.stamps is not None and len(self.stamps) != n:
+            raise FieldError("stamps", f"None or one stamp per item ({n})", self.stamps)
+        bad = [s for s in self.skip if not self.first_seq <= s < self.next_seq]
+        if bad or len(set(self.skip)) != len(self.skip):
+            expected = f"distinct seqs of in-flight items, in [{self.first_seq}, {self.next_seq})"
+            raise FieldError("skip", expected, self.skip)
+        if self.skip_outputs and not n:
+            raise FieldError("skip_outputs", "0 when no item is in flight", self.skip_outputs)
+
+
+@attrs.frozen(kw_only=True)
+class Checkpoint:
+    """The whole checkpoint; see the module docstring for the wire layout."""
+
+    format_version: int = attrs.field(validator=checked(FieldError, f"{FORMAT_VERSION}", int_in(0)))
+    fingerprint: list[Any] = attrs.field(
+        validator=checked(
+            FieldError,
+            "a list of [stage name, kind] pairs",
+            sequence_of(sequence_of(v.and_(v.instance_of(str), v.min_len(1)))),
+        )
+    )
+    seed: int = attrs.field(
+        validator=checked(FieldError, "an int in [0, 2**64)", int_in(0, SEED_END))
+    )
+    epoch: int = attrs.field(validator=_count())
+    finished: bool = attrs.field(validator=checked(FieldError, "a bool", v.instance_of(bool)))
+    distributed: Distributed
+    central: dict[str, Any] = attrs.field(
+        validator=checked(
+            FieldError,
+            "a dict of stage name -> state dict",
+            v.deep_mapping(v.instance_of(str), _IS_MAPPING, _IS_MAPPING),
+        )
+    )
+    in_flight: dict[str, Boundary]
+    delivered_stamp: list[Any] | None = attrs.field(
+        validator=checked(FieldError, f"None or {STAMP_TEXT}", v.optional(STAMP))
+    )
+    position: Position
+
+    def __attrs_post_init__(self) -> None:
+        if any(len(pair) != 2 for pair in self.fingerprint):
+            raise FieldError("fingerprint", "a list of [stage name, kind] pairs", self.fingerprint)
+
+
+# -- cattrs: wire dict <-> model ---------------------------------------------------------
+
+
+def _make_converter() -> cattrs.Converter:
+    conv = cattrs.Converter(forbid_extra_keys=True)
+
+    # Values pass through untouched: the attrs validators check them (cattrs
+    # would coerce, e.g. int("3")). Containers of attrs classes are checked here.
+    def passthrough(value: Any, _type: Any) -> Any:
+        return value
+
+    conv.register_structure_hook_func(lambda tp: True, passthrough)
+    for primitive in (int, float, str, bool, bytes):
+        conv.register_structure_hook(primitive, passthrough)
+
+    def attrs_factory(cl: Any) -> Any:
+        base = make_dict_structure_fn(cl, conv, _cattrs_forbid_extra_keys=True)
+
+        def hook(value: Any, tp: Any) -> Any:
+            if not isinstance(value, Mapping):
+                raise TypeError(f"must be a dict, got {type(value).__name__} {value!r:.60}")
+            return base(value, tp)
+
+        return hook
+
+    conv.register_structure_hook_factory(attrs.has, attrs_factory)
+    boundaries = conv.gen_structure_mapping(dict[str, Boundary])
+
+    def boundaries_hook(value: Any, tp: Any) -> Any:
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            raise TypeError(
+                f"must be a dict of boundary name -> in-flight inputs, got {value!r:.60}"
             )
-            raise CheckpointError(msg)
+        return boundaries(value, tp)
+
+    conv.register_structure_hook_func(lambda tp: tp == dict[str, Boundary], boundaries_hook)
+    # The wire form keeps values as they are (tuples stay tuples).
+    conv.register_unstructure_hook_func(
+        lambda tp: not attrs.has(tp) and tp != dict[str, Boundary], lambda value: value
+    )
+    return conv
 
 
-def validate(
-    sd: Any,
-    *,
-    fingerprint: list[list[str]],
-    central_names: list[str],
-    seed: int,
-    rank: int,
-    world_size: int,
-) -> None:
-    """Raise ``CheckpointError`` naming what is wrong or what differs."""
+_CONVERTER = _make_converter()
+
+
+def _format(exc: BaseException, _type: Any) -> str:
+    if isinstance(exc, FieldError):
+        return f"\0{exc.field}\0 must be {exc.expected}, got {_got(exc.value)}"
+    if isinstance(exc, cattrs.ForbiddenExtraKeysError):
+        return f"has unexpected key(s) {sorted(exc.extra_fields)}"
+    if isinstance(exc, KeyError):
+        return "is missing"
+    return str(exc)
+
+
+def _got(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 80:
+        text = f"{type(value).__name__} {text[:60]}..."
+    return text
+
+
+def _messages(exc: BaseException, root: str) -> list[str]:
+    out = []
+    for line in cattrs.transform_error(exc, path=root, format_exception=_format):
+        message, _, path = line.rpartition(" @ ")
+        if message.startswith("\0"):
+            field, _, rest = message[1:].partition("\0")
+            path = f"{path}.{field}"
+            message = rest.lstrip()
+        out.append(f"{path.lstrip('$.') or 'the checkpoint'} {message}")
+    return out
+
+
+def _raise(exc: BaseException, root: str) -> None:
+    lines = _messages(exc, root)
+    more = f" (and {len(lines) - 1} more: {'; '.join(lines[1:4])})" if len(lines) > 1 else ""
+    raise CheckpointError(f"damaged checkpoint: {lines[0]}.{more}") from None
+
+
+def structure(sd: Any) -> Checkpoint:
+    """The typed checkpoint of the wire dict ``sd``; ``CheckpointError`` naming
+    the key path for any missing, unexpected, mistyped or out-of-range value."""
     if not isinstance(sd, Mapping):
         raise CheckpointError(f"a checkpoint must be a dict, got {type(sd).__name__}.")
     version = sd.get("format_version")
-    if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+    if isinstance(version, int) and not isinstance(version, bool) and version != FORMAT_VERSION:
+        newer = version > FORMAT_VERSION
         msg = (
-            f"checkpoint format_version {version} is newer than this centralpipe reads "
-            f"({FORMAT_VERSION}); upgrade centralpipe to resume it."
+            f"checkpoint format_version is {version}, this centralpipe reads format_version "
+            f"{FORMAT_VERSION}; "
+            + (
+                "upgrade centralpipe to resume it."
+                if newer
+                else "it was written by an older centralpipe; resume it with that version."
+            )
         )
         raise CheckpointError(msg)
-    _check_keys(sd, _TOP, "")
-    if sd["format_version"] < 1:
-        raise CheckpointError(f"damaged checkpoint: format_version {sd['format_version']} < 1.")
-    ckpt_fp = [list(x) if isinstance(x, (list, tuple)) else x for x in sd["fingerprint"]]
-    if ckpt_fp != fingerprint:
-        raise CheckpointError(_fingerprint_diff(ckpt_fp, fingerprint))
-    if sd["seed"] != seed:
+    try:
+        return _CONVERTER.structure(sd, Checkpoint)
+    except Exception as exc:
+        _raise(exc, "$")
+        raise  # pragma: no cover - _raise always raises
+
+
+def structure_state(state: Any, cls: type[T], stage: str) -> T:
+    """Stage ``stage``'s wire state as its declared state class ``cls``."""
+    try:
+        return _CONVERTER.structure(state, cls)
+    except Exception as exc:
+        _raise(exc, f"$.central['{stage}']")
+        raise  # pragma: no cover - _raise always raises
+
+
+def unstructure(obj: Any) -> Any:
+    """The wire form (plain dicts) of a model object."""
+    return _CONVERTER.unstructure(obj)
+
+
+# -- the checkpoint against the pipeline it is loaded into --------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Expected:
+    """What a checkpoint must match: the pipeline and the loader's config."""
+
+    fingerprint: list[list[str]]
+    seed: int
+    rank: int
+    world_size: int
+    #: Central nodes in order (each declares ``State`` and ``check_state``).
+    nodes: list[Any]
+    #: Boundary names whose in-flight inputs the checkpoint holds.
+    boundaries: list[str]
+    #: The boundary at the tip of the central chain (``dispatch``).
+    tip: str
+    #: The stamped stages (``count`` and ``shard`` nodes), in order.
+    stamped: list[Any]
+    #: Whether the worker stages can make more than one output from one input.
+    multi_output: bool
+    #: Items the central chain yields per epoch, when known.
+    length: int | None
+
+
+def _fail(path: str, expected: str, got: Any) -> None:
+    raise CheckpointError(f"damaged checkpoint: {path} must be {expected}, got {_got(got)}.")
+
+
+def check_pipeline(ckpt: Checkpoint, want: Expected) -> dict[str, Any]:
+    """Check ``ckpt`` against the pipeline and config in ``want``; return each
+    stage's structured state by name. Raises ``CheckpointError``; changes nothing."""
+    fp = [list(pair) for pair in ckpt.fingerprint]
+    if fp != want.fingerprint:
+        raise CheckpointError(_fingerprint_diff(fp, want.fingerprint))
+    if ckpt.seed != want.seed:
         msg = (
-            f"checkpoint was taken with seed {sd['seed']}, this loader has seed {seed}; "
+            f"checkpoint was taken with seed {ckpt.seed}, this loader has seed {want.seed}; "
             "resuming would change the shuffle and with_rng streams."
         )
         raise CheckpointError(msg)
-    dist = sd["distributed"]
-    if dist.get("world_size") != world_size or dist.get("rank") != rank:
+    dist = ckpt.distributed
+    if (dist.rank, dist.world_size) != (want.rank, want.world_size):
         msg = (
-            f"checkpoint is of rank {dist.get('rank')} of {dist.get('world_size')}, this loader "
-            f"is rank {rank} of {world_size}; resuming on another world size is not supported "
-            "yet, and each rank must load its own checkpoint."
+            f"checkpoint is of rank {dist.rank} of {dist.world_size}, this loader is rank "
+            f"{want.rank} of {want.world_size}; each rank must load its own checkpoint "
+            "(taken on the same world size)."
         )
         raise CheckpointError(msg)
-    central = sd["central"]
-    if sorted(central) != sorted(central_names):
-        missing = [n for n in central_names if n not in central]
-        extra = [n for n in central if n not in central_names]
-        msg = f"damaged checkpoint: central states missing {missing}, unexpected {extra}."
-        raise CheckpointError(msg)
-    for name in central_names:
-        if not isinstance(central[name], Mapping):
-            msg = (
-                f"damaged checkpoint: state of stage '{name}' should be a dict, "
-                f"got {type(central[name]).__name__}."
-            )
-            raise CheckpointError(msg)
-    in_flight = sd["in_flight"]
-    _check_keys(in_flight, _IN_FLIGHT, "in_flight: ")
-    stamps = in_flight.get("stamps")
-    if stamps is not None and (
-        not isinstance(stamps, list) or len(stamps) != len(in_flight["items"])
-    ):
-        raise CheckpointError("damaged checkpoint: in_flight stamps do not match its items.")
-    if in_flight["first_seq"] + len(in_flight["items"]) > sd["next_seq"]:
-        raise CheckpointError("damaged checkpoint: in_flight items go past next_seq.")
-    if sd["epoch"] < 0 or sd["next_seq"] < 0 or in_flight["skip_outputs"] < 0:
-        raise CheckpointError("damaged checkpoint: negative epoch, next_seq or skip_outputs.")
+    names = [node.name for node in want.nodes]
+    if sorted(ckpt.central) != sorted(names):
+        missing = [n for n in names if n not in ckpt.central]
+        extra = [n for n in ckpt.central if n not in names]
+        _fail("central", f"one state per central stage (missing {missing})", f"extra {extra}")
+    if sorted(ckpt.in_flight) != sorted(want.boundaries):
+        _fail("in_flight", f"keyed by boundary {want.boundaries}", sorted(ckpt.in_flight))
+    states: dict[str, Any] = {}
+    for node in want.nodes:
+        raw = ckpt.central[node.name]
+        cls = getattr(node, "State", None)
+        states[node.name] = raw if cls is None else structure_state(raw, cls, node.name)
+    for node in want.nodes:
+        try:
+            node.check_state(states[node.name], states)
+        except FieldError as exc:
+            _fail(f"central['{node.name}'].{exc.field}", exc.expected, exc.value)
+    bound: int | None = None
+    for node in want.nodes:
+        bound = node.max_items_out(states[node.name], bound)
+    for name, flight in ckpt.in_flight.items():
+        path = f"in_flight['{name}']"
+        if name == want.tip and bound is not None and flight.next_seq > bound:
+            expected = f"<= {bound} (the items the central stages have yielded, by their state)"
+            _fail(f"{path}.next_seq", expected, flight.next_seq)
+        _check_boundary(path, flight, ckpt, want, states)
+    return states
+
+
+def _check_boundary(
+    path: str, flight: Boundary, ckpt: Checkpoint, want: Expected, states: dict[str, Any]
+) -> None:
+    if want.length is not None and flight.next_seq > want.length:
+        _fail(f"{path}.next_seq", f"<= {want.length} (items per epoch here)", flight.next_seq)
+    if flight.skip_outputs and not want.multi_output:
+        expected = "0 (the worker stages make at most one output per input)"
+        _fail(f"{path}.skip_outputs", expected, flight.skip_outputs)
+    stamped = [node.kind for node in want.stamped]
+    if not stamped:
+        if flight.stamps is not None:
+            _fail(f"{path}.stamps", "None (no count or shard stage)", flight.stamps)
+        if ckpt.delivered_stamp is not None:
+            _fail("delivered_stamp", "None (no count or shard stage)", ckpt.delivered_stamp)
+        return
+    if flight.stamps is None and flight.items:
+        _fail(f"{path}.stamps", "one stamp per in-flight item", None)
+    # Stamps are the stamped stages' totals as each item left the chain: they
+    # never decrease along the stream and never pass the stages' own state.
+    sequence = [("delivered_stamp", ckpt.delivered_stamp)]
+    sequence += [(f"{path}.stamps[{i}]", s) for i, s in enumerate(flight.stamps or [])]
+    now = [_stamp_value(n.kind, states[n.name]) for n in want.stamped]
+    previous = [0] * len(stamped)
+    for where, stamp in sequence:
+        if stamp is None:
+            continue
+        kinds_text = ", ".join("index" if k == "shard" else "[items, weight]" for k in stamped)
+        if len(stamp) != len(stamped):
+            _fail(where, f"{len(stamped)} entries ({kinds_text})", stamp)
+        for i, (kind, entry) in enumerate(zip(stamped, stamp)):
+            is_index = isinstance(entry, int)
+            if is_index != (kind == "shard"):
+                _fail(
+                    f"{where}[{i}]", "an int index" if kind == "shard" else "[items, weight]", entry
+                )
+            value = entry if is_index else entry[0]
+            if not previous[i] <= value <= now[i]:
+                expected = f"between {previous[i]} and the stage's {now[i]}"
+                _fail(f"{where}[{i}]", expected, entry)
+            previous[i] = value
+
+
+def _stamp_value(kind: str, state: Any) -> int:
+    return int(state.index if kind == "shard" else state.items)
 
 
 def _fingerprint_diff(ckpt: list[Any], current: list[list[str]]) -> str:
     for i, (a, b) in enumerate(zip(ckpt, current)):
         if a != b:
-            name_a = a[0] if isinstance(a, list) and a else a
             return (
                 f"checkpoint is of another pipeline: at position {i} the checkpoint has stage "
-                f"'{name_a}' ({a[1] if isinstance(a, list) and len(a) > 1 else '?'}), this "
-                f"pipeline has '{b[0]}' ({b[1]})."
+                f"'{a[0]}' ({a[1]}), this pipeline has '{b[0]}' ({b[1]})."
             )
-    if len(ckpt) != len(current):
-        return (
-            f"checkpoint is of another pipeline: it has {len(ckpt)} stages, this pipeline "
-            f"has {len(current)}."
-        )
-    return "checkpoint is of another pipeline."  # pragma: no cover
+    return (
+        f"checkpoint is of another pipeline: it has {len(ckpt)} stages, this pipeline "
+        f"has {len(current)}."
+    )

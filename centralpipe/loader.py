@@ -13,7 +13,8 @@ import weakref
 from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
-from centralpipe.checkpoint import FORMAT_VERSION, validate
+from centralpipe import checkpoint
+from centralpipe.checkpoint import FORMAT_VERSION
 from centralpipe.config import LoaderConfig
 from centralpipe.dispatch import protocol
 from centralpipe.dispatch.boundary import PoolPolicy, open_stream
@@ -22,7 +23,7 @@ from centralpipe.dispatch.pool import WorkerPool
 from centralpipe.dispatch.protocol import MSG_STATES, InFlight
 from centralpipe.dispatch.reorder import Stream, StreamStats
 from centralpipe.dispatch.worker import WorkerSpec
-from centralpipe.errors import CheckpointError, PipelineError
+from centralpipe.errors import PipelineError
 from centralpipe.pipeline import Pipeline
 from centralpipe.stages import CentralNode, Count, RunContext, Shard, build_central, central_length
 from centralpipe.stages.sources import FilesSource
@@ -98,6 +99,11 @@ class Loader(Generic[T]):
         self._closed = False
 
     @property
+    def _boundary(self) -> str:
+        """The name keying the dispatch boundary's in-flight inputs."""
+        return self._pipe.dispatch_name or "dispatch"
+
+    @property
     def config(self) -> LoaderConfig:
         return self._config
 
@@ -143,11 +149,11 @@ class Loader(Generic[T]):
         self._res.end_run()
         resume = self._resume
         if resume is not None and not resume["finished"]:
-            flight = resume["in_flight"]
+            flight = resume["in_flight"][self._boundary]
             try:
                 run = self._make_run(
                     epoch=self.epoch,
-                    next_seq=resume["next_seq"],
+                    next_seq=flight["next_seq"],
                     resume=InFlight(
                         flight["first_seq"],
                         list(flight["items"]),
@@ -191,7 +197,7 @@ class Loader(Generic[T]):
             "chunk_size": w.chunk_size,
             "on_error": w.on_error,
             "stats": self._stats,
-            "dispatch_name": self._pipe.dispatch_name or "dispatch",
+            "dispatch_name": self._boundary,
         }
         if w.num_workers == 0:
             return open_stream(**common)
@@ -266,49 +272,63 @@ class Loader(Generic[T]):
                 "finished": True,
             }
         dist = self._config.distributed
+        stamp = body["delivered_stamp"]
         return {
             "format_version": FORMAT_VERSION,
             "fingerprint": self._pipe.fingerprint(),
             "seed": self._config.seed,
             "epoch": self.epoch,
+            "finished": body["finished"],
             "distributed": {"rank": dist.rank, "world_size": dist.world_size},
-            "position": {"pre_shard_index": self._pre_shard_index(body.get("delivered_stamp"))},
-            **body,
+            "central": body["central"],
+            "in_flight": {self._boundary: {"next_seq": body["next_seq"], **body["in_flight"]}},
+            "delivered_stamp": stamp,
+            "position": {"pre_shard_index": self._pre_shard_index(stamp)},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume at the checkpoint's position at the next ``iter()``; a
-        damaged checkpoint or one of another pipeline is a ``CheckpointError``."""
+        """Resume at the checkpoint's position at the next ``iter()``.
+
+        The whole checkpoint is checked first, against the typed model
+        (:mod:`centralpipe.checkpoint`) and against this pipeline: a damaged
+        checkpoint or one of another pipeline raises ``CheckpointError`` naming
+        the key and leaves the loader exactly as it was (a live iterator keeps
+        going, an earlier loaded checkpoint stays pending)."""
         self._check_open()
-        dist = self._config.distributed
-        validate(
-            state_dict,
-            fingerprint=self._pipe.fingerprint(),
-            central_names=[n.name for n in self._nodes],
-            seed=self._config.seed,
-            rank=dist.rank,
-            world_size=dist.world_size,
-        )
+        ckpt = checkpoint.structure(state_dict)
+        checkpoint.check_pipeline(ckpt, self._expected())
+        # Valid: from here on the loader changes. A stage whose restore still
+        # fails (a re-iterable that got shorter, a user's node) rolls back.
+        before = self.state_dict()
         self._res.end_run()
-        self._resume = None  # a failed load leaves no earlier checkpoint pending
-        sd = _copy_state(state_dict)
-        self._ctx.epoch = sd["epoch"]
         try:
-            self._nodes[-1].load_flat(dict(sd["central"]))
-        except CheckpointError:
-            self._nodes[-1].load_flat(None)
+            self._restore(_copy_state(state_dict))
+        except BaseException:
+            self._resume = None
+            self._restore(before)
             raise
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
-            stage = next((n.name for n in self._nodes if not _restores(n, sd["central"])), "?")
-            self._nodes[-1].load_flat(None)
-            msg = (
-                f"damaged checkpoint: the state of stage '{stage}' cannot be restored: "
-                f"{type(exc).__name__}: {exc}"
-            )
-            raise CheckpointError(msg) from exc
+
+    def _restore(self, sd: dict[str, Any]) -> None:
+        self._ctx.epoch = sd["epoch"]
+        self._nodes[-1].load_flat(dict(sd["central"]))
         self.epoch = sd["epoch"]
         self._stats.epoch_restarts = 0
         self._resume = sd
+
+    def _expected(self) -> checkpoint.Expected:
+        dist = self._config.distributed
+        return checkpoint.Expected(
+            fingerprint=self._pipe.fingerprint(),
+            seed=self._config.seed,
+            rank=dist.rank,
+            world_size=dist.world_size,
+            nodes=list(self._nodes),
+            boundaries=[self._boundary],
+            tip=self._boundary,
+            stamped=[n for n in self._nodes if isinstance(n, (Count, Shard))],
+            multi_output=any(s.kind == "flat_map" for s in self._pipe.worker_stages),
+            length=central_length(self._nodes, self._pipe.central_stages, self._ctx),
+        )
 
     # -- queries -----------------------------------------------------------------
 
@@ -457,14 +477,6 @@ def _ask_idle_pool(pool: WorkerPool) -> list[dict[str, Any]]:
     return out
 
 
-def _restores(node: CentralNode[Any], central: dict[str, Any]) -> bool:
-    try:
-        node.restore(central[node.name])
-        return True
-    except Exception:
-        return False
-
-
 def _tuplify(stamp: Any) -> Any:
     if stamp is None:
         return None
@@ -474,7 +486,8 @@ def _tuplify(stamp: Any) -> Any:
 def _copy_state(sd: Any) -> dict[str, Any]:
     """A copy of the checkpoint's containers (items themselves are shared)."""
     out = dict(sd)
-    out["in_flight"] = dict(sd["in_flight"])
-    out["in_flight"]["items"] = list(sd["in_flight"]["items"])
+    out["in_flight"] = {
+        name: {**flight, "items": list(flight["items"])} for name, flight in sd["in_flight"].items()
+    }
     out["central"] = dict(sd["central"])
     return out

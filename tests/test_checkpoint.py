@@ -7,6 +7,7 @@ loader usable.
 from __future__ import annotations
 
 import copy
+import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -81,43 +82,53 @@ def test_good_checkpoint_resumes(good: dict[str, Any]) -> None:
         "finished",
         "distributed",
         "central",
-        "next_seq",
         "in_flight",
+        "delivered_stamp",
+        "position",
     ],
 )
 def test_missing_top_level_key(good: dict[str, Any], key: str) -> None:
     """A checkpoint without a required key names the key."""
     del good[key]
-    _assert_refused_and_usable(good, f"damaged checkpoint: missing key '{key}'")
-
-
-@pytest.mark.parametrize("key", ["first_seq", "items", "skip_outputs", "skip"])
-def test_missing_in_flight_key(good: dict[str, Any], key: str) -> None:
-    """A checkpoint whose `in_flight` lacks a key names it."""
-    del good["in_flight"][key]
-    _assert_refused_and_usable(good, f"damaged checkpoint: in_flight: missing key '{key}'")
+    _assert_refused_and_usable(good, rf"damaged checkpoint: {key} is missing")
 
 
 @pytest.mark.parametrize(
-    ("key", "value", "expected", "got"),
+    "key", ["next_seq", "first_seq", "items", "stamps", "skip_outputs", "skip"]
+)
+def test_missing_in_flight_key(good: dict[str, Any], key: str) -> None:
+    """A checkpoint whose in-flight inputs lack a key names its path."""
+    del good["in_flight"]["dispatch"][key]
+    _assert_refused_and_usable(good, rf"in_flight\['dispatch'\]\.{key} is missing")
+
+
+def test_unexpected_key(good: dict[str, Any]) -> None:
+    """An unknown key is refused (a checkpoint of another format), naming it."""
+    good["in_flight"]["dispatch"]["extra"] = 1
+    _assert_refused_and_usable(good, r"in_flight\['dispatch'\] has unexpected key\(s\) \['extra'\]")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
     [
-        ("format_version", "1", "int", "str"),
-        ("format_version", True, "int", "bool"),
-        ("fingerprint", {"a": 1}, "list", "dict"),
-        ("seed", 3.0, "int", "float"),
-        ("epoch", "1", "int", "str"),
-        ("finished", 0, "bool", "int"),
-        ("distributed", [0, 1], "Mapping", "list"),
-        ("central", [], "Mapping", "list"),
-        ("next_seq", None, "int", "NoneType"),
-        ("in_flight", (), "Mapping", "tuple"),
+        ("format_version", "1", "2"),
+        ("format_version", True, "2"),
+        ("fingerprint", {"a": 1}, "a list of"),
+        ("seed", 3.0, r"an int in \[0, 2\*\*64\)"),
+        ("epoch", "1", "an int >= 0"),
+        ("finished", 0, "a bool"),
+        ("distributed", [0, 1], "a dict"),
+        ("central", [], "a dict of stage name"),
+        ("in_flight", (), "a dict of boundary name"),
+        ("delivered_stamp", "x", "None or a list"),
+        ("position", 3, "a dict"),
     ],
     ids=lambda v: repr(v).replace(" ", "") if not isinstance(v, str) else v,
 )
-def test_wrong_type(good: dict[str, Any], key: str, value: Any, expected: str, got: str) -> None:
-    """A value of the wrong type names the key, the expected and the actual type."""
+def test_wrong_type(good: dict[str, Any], key: str, value: Any, expected: str) -> None:
+    """A value of the wrong type names the key, what was expected and what was got."""
     good[key] = value
-    _assert_refused_and_usable(good, f"'{key}' should be {expected}, got {got}")
+    _assert_refused_and_usable(good, rf"{key} must be {expected}.*, got ")
 
 
 def test_not_a_dict() -> None:
@@ -129,14 +140,16 @@ def test_newer_format_version(good: dict[str, Any]) -> None:
     """A newer format version says both versions and to upgrade."""
     good["format_version"] = 99
     _assert_refused_and_usable(
-        good, r"format_version 99 is newer than this centralpipe reads \(1\)"
+        good, r"format_version is 99, this centralpipe reads format_version 2; upgrade"
     )
 
 
-def test_format_version_zero(good: dict[str, Any]) -> None:
-    """A format version below 1 is damaged."""
-    good["format_version"] = 0
-    _assert_refused_and_usable(good, "format_version 0 < 1")
+def test_older_format_version(good: dict[str, Any]) -> None:
+    """An older format version says both versions and that an older release wrote it."""
+    good["format_version"] = 1
+    _assert_refused_and_usable(
+        good, r"format_version is 1, this centralpipe reads format_version 2; .*older"
+    )
 
 
 def test_checkpoint_of_another_pipeline(good: dict[str, Any]) -> None:
@@ -205,42 +218,79 @@ def test_missing_and_unexpected_stage_states(good: dict[str, Any]) -> None:
     """`central` must hold exactly one state per central stage, named in the error."""
     del good["central"]["shuffle_2"]
     good["central"]["zzz"] = {}
-    _assert_refused_and_usable(good, r"missing \['shuffle_2'\], unexpected \['zzz'\]")
+    _assert_refused_and_usable(good, r"missing \['shuffle_2'\]\), got \"extra \['zzz'\]\"")
 
 
 def test_stage_state_not_a_dict(good: dict[str, Any]) -> None:
-    """A stage state that is not a dict names the stage."""
+    """A stage state that is not a dict is refused."""
     good["central"]["c"] = 7
-    _assert_refused_and_usable(good, "state of stage 'c' should be a dict, got int")
+    _assert_refused_and_usable(good, "central must be a dict of stage name -> state dict")
 
 
-GARBAGE: dict[str, tuple[str, Any]] = {
-    "shuffle-buffer": ("shuffle_2", {"buffer": 5, "rng": [], "draining": False}),
-    "shuffle-empty": ("shuffle_2", {}),
-    "shuffle-rng": ("shuffle_2", {"buffer": [], "rng": "nope", "draining": False}),
-    "source-index": ("source", {"index": "abc"}),
-    "count-items": ("c", {"items": [1], "weight": 0}),
-    "count-empty": ("c", {}),
+GARBAGE: dict[str, tuple[str, Any, str]] = {
+    "shuffle-buffer": (
+        "shuffle_2",
+        {"buffer": 5, "rng": [], "draining": False},
+        r"central\['shuffle_2'\]\.buffer must be a list, got 5",
+    ),
+    "shuffle-empty": ("shuffle_2", {}, r"central\['shuffle_2'\]\.buffer is missing"),
+    "shuffle-rng": (
+        "shuffle_2",
+        {"buffer": [], "rng": "nope", "draining": False},
+        r"central\['shuffle_2'\]\.rng must be a random.Random state",
+    ),
+    "shuffle-rng-values": (
+        "shuffle_2",
+        {"buffer": [], "rng": [3, [1, 2], None], "draining": False},
+        r"central\['shuffle_2'\]\.rng must be a random.Random state",
+    ),
+    "shuffle-too-big": (
+        "shuffle_2",
+        {"buffer": [1] * 5, "rng": random.Random(0).getstate(), "draining": False},
+        r"central\['shuffle_2'\]\.buffer must be at most buffer_size=4 items",
+    ),
+    "source-index": ("source", {"index": "abc"}, r"central\['source'\]\.index must be an int"),
+    "source-past-end": (
+        "source",
+        {"index": 13},
+        r"central\['source'\]\.index must be <= 12 \(the length of the source\), got 13",
+    ),
+    "count-items": ("c", {"items": [1], "weight": 0}, r"central\['c'\]\.items must be an int"),
+    "count-negative": (
+        "c",
+        {"items": -1, "weight": 0},
+        r"central\['c'\]\.items must be an int >= 0, got -1",
+    ),
+    "count-empty": ("c", {}, r"central\['c'\]\.items is missing"),
+    "map-state": ("map_1", {"x": 1}, r"central\['map_1'\] has unexpected key"),
 }
 
 
-@pytest.mark.parametrize(("stage", "state"), list(GARBAGE.values()), ids=list(GARBAGE))
-def test_garbage_stage_state(good: dict[str, Any], stage: str, state: Any) -> None:
-    """Garbage in one stage's state names that stage, and the loader stays usable."""
+@pytest.mark.parametrize(("stage", "state", "match"), list(GARBAGE.values()), ids=list(GARBAGE))
+def test_garbage_stage_state(good: dict[str, Any], stage: str, state: Any, match: str) -> None:
+    """Garbage in one stage's state names that stage and key, and the loader stays usable."""
     good["central"][stage] = state
-    _assert_refused_and_usable(good, f"the state of stage '{stage}' cannot be restored")
+    _assert_refused_and_usable(good, match)
 
 
 @pytest.mark.parametrize(
     ("change", "match"),
     [
         (
-            lambda sd: sd["in_flight"].update(first_seq=sd["next_seq"], items=[1], stamps=None),
-            "past next_seq",
+            lambda sd: sd["in_flight"]["dispatch"].update(
+                first_seq=sd["in_flight"]["dispatch"]["next_seq"], items=[1], stamps=None
+            ),
+            r"next_seq must be first_seq \+ len\(items\)",
         ),
-        (lambda sd: sd.update(epoch=-1), "negative epoch"),
-        (lambda sd: sd["in_flight"].update(skip_outputs=-2), "negative"),
-        (lambda sd: sd["in_flight"].update(stamps=[[1, 1]] * 9), "stamps do not match"),
+        (lambda sd: sd.update(epoch=-1), "epoch must be an int >= 0, got -1"),
+        (
+            lambda sd: sd["in_flight"]["dispatch"].update(skip_outputs=-2),
+            "skip_outputs must be an int >= 0, got -2",
+        ),
+        (
+            lambda sd: sd["in_flight"]["dispatch"].update(stamps=[[[1, 1]]] * 9),
+            "stamps must be None or one stamp per item",
+        ),
     ],
     ids=["past-next-seq", "negative-epoch", "negative-skip", "stamps"],
 )
@@ -263,19 +313,17 @@ def test_refused_checkpoint_keeps_the_loaded_one(good: dict[str, Any]) -> None:
         assert collect(loader) == _full()[2:]
 
 
-def test_garbage_after_a_good_load_does_not_mix_checkpoints(good: dict[str, Any]) -> None:
-    """After a good load and a refused one, nothing is pending: next is a fresh epoch."""
+def test_garbage_after_a_good_load_keeps_the_good_one_pending(good: dict[str, Any]) -> None:
+    """After a good load and a refused one, the good checkpoint is still the one resumed."""
     bad = copy.deepcopy(good)
     bad["central"]["shuffle_2"] = {"buffer": 5}
-    with cp.Loader(_pipe(), _config()) as fresh:
-        epochs = [collect(fresh), collect(fresh)]
     with cp.Loader(_pipe(), _config()) as loader:
         loader.load_state_dict(good)
         with pytest.raises(cp.CheckpointError, match="shuffle_2"):
             loader.load_state_dict(bad)
         assert loader.epoch == good["epoch"] == 1
-        assert collect(loader) == epochs[1]
-        assert loader.epoch == 2
+        assert loader.state_dict() == good
+        assert collect(loader) == _full()[2:]
 
 
 def test_truncated_file_fails_in_torch_load(good: dict[str, Any], tmp_path: Path) -> None:
@@ -326,3 +374,13 @@ def test_changed_source_file_list_is_refused(tmp_path: Path) -> None:
         with pytest.raises(cp.CheckpointError, match="stage 'files': the file list changed"):
             loader.load_state_dict(state)
         assert collect(loader) == ["1", "2"] * 2 + ["3"]
+
+
+def test_wire_form_is_the_models_unstructured_form(good: dict[str, Any]) -> None:
+    """`state_dict()` writes exactly the typed model's wire form: structure, then
+    unstructure, gives the same dict back."""
+    from centralpipe import checkpoint
+
+    model = checkpoint.structure(good)
+    assert isinstance(model.in_flight["dispatch"], checkpoint.Boundary)
+    assert checkpoint.unstructure(model) == good

@@ -104,11 +104,11 @@ def test_inspect_prints_the_epoch_and_stages(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "epoch: 4 (in progress)" in out
-    assert "format_version: 1" in out
+    assert "format_version: 2" in out
     assert "rank / world size: 0 / 1" in out
     assert "shuffle_1 (shuffle):" in out
     assert "seen (count):" in out
-    assert "in-flight items:" in out
+    assert "in-flight items at 'dispatch': " in out
 
 
 def test_inspect_finds_a_nested_checkpoint(

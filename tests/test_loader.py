@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import centralpipe as cp
+from centralpipe.checkpoint import FORMAT_VERSION
 from centralpipe.testing import _equal, collect
 from tests._configs import loader_config
 
@@ -361,7 +362,7 @@ def test_state_dict_holds_only_builtins_and_tensors(k: int) -> None:
             next(it)
         state = loader.state_dict()
     assert _non_builtin_paths(state) == []
-    assert state["format_version"] == 1
+    assert state["format_version"] == FORMAT_VERSION == 2
     assert isinstance(state["format_version"], int)
 
 
@@ -445,7 +446,7 @@ def test_state_dict_after_load_is_the_loaded_one() -> None:
         resumed.load_state_dict(state)
         again = resumed.state_dict()
         assert again == state
-        again["in_flight"]["items"].append(99)
+        again["in_flight"]["dispatch"]["items"].append(99)
         assert resumed.state_dict() == state
 
 

@@ -394,7 +394,7 @@ def test_worker_flat_map_checkpoint_inside_one_inputs_outputs() -> None:
     """A worker flat_map checkpoint mid-input records how many outputs were delivered."""
     pipe = cp.Pipeline.from_iterable([3, 1, 2]).dispatch().flat_map(_repeat)
     state = _take_state(pipe, 2, _config())
-    flight = state["in_flight"]
+    flight = state["in_flight"]["dispatch"]
     assert flight["first_seq"] == 0
     assert flight["items"] == [3, 1, 2]
     assert flight["skip_outputs"] == 2

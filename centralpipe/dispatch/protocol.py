@@ -83,6 +83,7 @@ class Chunk:
     """Consecutive dispatched items (``first_seq`` …) sent as one message."""
 
     __slots__ = (
+        "bad_skip",
         "cid",
         "closed",
         "first_seq",
@@ -107,6 +108,7 @@ class Chunk:
         self.result: ChunkResult | None = None
         self.skip: set[int] = set()  # input indexes not to run (poison items)
         self.skip_first = 0  # outputs of input 0 delivered before a resume
+        self.bad_skip = ""  # why skip_first cannot be right (a damaged checkpoint)
         self.closed = False
         self.raised_at = -1  # input whose failure was raised to the consumer
         # inputs that cannot be pickled: failures at the boundary stage

@@ -31,7 +31,7 @@ from typing import Any
 
 from centralpipe.dispatch.chain import WorkerChain
 from centralpipe.dispatch.protocol import Chunk, ChunkResult, InFlight
-from centralpipe.errors import WorkerError
+from centralpipe.errors import CheckpointError, WorkerError
 from centralpipe.stages import CentralNode, Count, Shard
 
 __all__ = ["FIRST_CHUNK", "Driver", "Stream", "StreamStats"]
@@ -161,6 +161,15 @@ class Stream:
         if chunk.skip_first:
             k = chunk.skip_first
             counts = result.counts or [1] * len(chunk.items)
+            failed_first = any(f.at == 0 for f in result.failures or ())
+            if k > counts[0] and not failed_first:
+                # Only a worker flat_map makes several outputs per input, and
+                # only running it tells how many: checked here, before delivery.
+                chunk.bad_skip = (
+                    f"damaged checkpoint: in_flight['{self.dispatch_name}'].skip_outputs must "
+                    f"be <= {counts[0]} (the outputs of item seq {chunk.first_seq}), got {k}."
+                )
+                return result
             counts = [max(0, counts[0] - k), *counts[1:]]
             result = result._replace(outputs=result.outputs[k:], counts=counts)
         if result.failures and self.on_error == "skip":
@@ -196,6 +205,10 @@ class Stream:
                 break
             result = chunk.result
             assert result is not None
+            if chunk.bad_skip:
+                self.broken = True
+                self.stop()
+                raise CheckpointError(chunk.bad_skip)
             self.current = chunk
             self._cur_base = 0
             self._cur_list = result.outputs

@@ -22,6 +22,7 @@ from centralpipe.stages.sources import DatasetSource, FilesSource, IterableSourc
 from centralpipe.stages.transform import Filter, FlatMap, Map
 
 __all__ = [
+    "NODE_CLASSES",
     "SOURCE_KEY",
     "CentralNode",
     "Count",
@@ -31,6 +32,27 @@ __all__ = [
     "build_central",
     "central_length",
 ]
+
+
+#: The node class of each central stage kind (its ``State`` is the kind's state schema).
+NODE_CLASSES: dict[str, type[CentralNode[Any]]] = {
+    cls.kind: cls
+    for cls in (
+        IterableSource,
+        DatasetSource,
+        NodeSource,
+        FilesSource,
+        ReadLines,
+        Map,
+        Filter,
+        FlatMap,
+        Batch,
+        BucketByMaxTokens,
+        Shuffle,
+        Count,
+        Shard,
+    )
+}
 
 
 def _build_one(

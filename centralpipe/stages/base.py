@@ -4,19 +4,24 @@ A central stage owns a ``source`` node. Its state, as torchdata expects, is its
 own fields plus ``{SOURCE_KEY: source.state_dict()}``; ``own_state()`` is the
 part without the source, which the Loader stores per stage name and which
 ``query()`` reads. Subclasses write ``produce()`` (the next item, or
-``StopIteration``), ``own_state()`` and ``restore(state | None)``.
+``StopIteration``), ``own_state()`` and ``restore(state | None)``, and declare
+``State``, the attrs class of their state, which the checkpoint model checks
+(with ``check_state()`` for what depends on the pipeline, e.g. file sizes).
 """
 
 from __future__ import annotations
 
 import abc
 import time
-from typing import Any, Generic, TypeVar
+from collections.abc import Mapping
+from typing import Any, ClassVar, Generic, TypeVar
 
 import attrs
 from torchdata.nodes import BaseNode
 
-__all__ = ["SOURCE_KEY", "CentralNode", "RunContext", "add_stage_note"]
+from centralpipe.errors import CheckpointError
+
+__all__ = ["SOURCE_KEY", "CentralNode", "NoState", "RunContext", "add_stage_note"]
 
 SOURCE_KEY = "source"
 #: Stage time is measured on one call in this many.
@@ -34,6 +39,11 @@ class RunContext:
     world_size: int = 1
 
 
+@attrs.frozen
+class NoState:
+    """The state of a stage that keeps none: ``{}``."""
+
+
 def add_stage_note(exc: BaseException, stage: str) -> None:
     """Name the central stage an exception came from (once, innermost wins)."""
     if getattr(exc, "_centralpipe_stage", None) is None:
@@ -48,6 +58,9 @@ class CentralNode(BaseNode[T], Generic[T]):
     """A named central stage; see the module docstring."""
 
     kind: str = "node"
+    #: The attrs class of ``own_state()``: the checkpoint model checks a stage's
+    #: state against it before ``restore`` sees it. ``None``: any dict.
+    State: ClassVar[type | None] = None
 
     def __init__(self, source: BaseNode[Any] | None, *, name: str, ctx: RunContext) -> None:
         super().__init__()
@@ -105,7 +118,19 @@ class CentralNode(BaseNode[T], Generic[T]):
         elif self.source is not None:
             self.source.reset(None)
         BaseNode.reset(self, None)
-        self.restore(None if flat is None else flat[self.name])
+        if flat is None:
+            self.restore(None)
+            return
+        try:
+            self.restore(flat[self.name])
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            msg = (
+                f"damaged checkpoint: the state of stage '{self.name}' cannot be restored: "
+                f"{type(exc).__name__}: {exc}"
+            )
+            raise CheckpointError(msg) from exc
 
     # -- for subclasses ------------------------------------------------------
 
@@ -118,7 +143,19 @@ class CentralNode(BaseNode[T], Generic[T]):
         return {}
 
     def restore(self, state: dict[str, Any] | None) -> None:
-        """Start of an epoch (``None``) or the position in ``state``."""
+        """Start of an epoch (``None``) or the position in ``state`` (a wire
+        dict that already passed ``State`` and :meth:`check_state`)."""
+
+    def check_state(self, state: Any, states: Mapping[str, Any]) -> None:
+        """Raise ``FieldError`` if ``state`` (a ``State`` instance) cannot be
+        this stage's position in this pipeline; ``states`` has every stage's.
+        Must not change anything: a refused checkpoint leaves the loader as it was."""
+
+    def max_items_out(self, state: Any, bound_in: int | None) -> int | None:
+        """An upper bound on the items this stage has yielded this epoch, from
+        its checked ``state`` and the bound of its source (``None``: unknown);
+        a checkpoint's seq counter cannot pass it."""
+        return None
 
     def query_state(self) -> dict[str, Any]:
         """What ``Loader.query(name)`` returns: ``own_state()`` unless a stage

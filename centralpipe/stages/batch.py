@@ -12,14 +12,17 @@ themselves, which fails for items that do not order). An item longer than
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import attrs
+from attrs import validators as v
 from torchdata.nodes import BaseNode
 
-from centralpipe.stages.base import CentralNode, RunContext
+from centralpipe.stages.base import CentralNode, NoState, RunContext
+from centralpipe.validators import FieldError, checked, int_in, sequence_of
 
-__all__ = ["Batch", "BucketByMaxTokens"]
+__all__ = ["Batch", "BucketByMaxTokens", "BucketState"]
 
 HEAP_KEY = "heap"
 BATCH_KEY = "batch"
@@ -29,8 +32,33 @@ ARRIVALS_KEY = "arrivals"
 DRAINING_KEY = "draining"
 
 
+_COUNT = int_in(0, 2**63)
+
+
+def _heap_entry(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, (list, tuple)) or len(value) != 3:
+        raise TypeError(value)
+    _COUNT(inst, attr, value[0])
+    _COUNT(inst, attr, value[1])
+
+
+@attrs.frozen(kw_only=True)
+class BucketState:
+    heap: list[Any] = attrs.field(
+        validator=checked(
+            FieldError, "a list of [length, arrival, item] entries", sequence_of(_heap_entry)
+        )
+    )
+    batch: list[Any] = attrs.field(validator=checked(FieldError, "a list", sequence_of()))
+    batch_tokens: int = attrs.field(validator=checked(FieldError, "an int >= 0", _COUNT))
+    batch_max_len: int = attrs.field(validator=checked(FieldError, "an int >= 0", _COUNT))
+    arrivals: int = attrs.field(validator=checked(FieldError, "an int >= 0", _COUNT))
+    draining: bool = attrs.field(validator=checked(FieldError, "a bool", v.instance_of(bool)))
+
+
 class Batch(CentralNode[list[Any]]):
     kind = "batch"
+    State = NoState
 
     def __init__(
         self, source: BaseNode[Any], batch_size: int, drop_last: bool, *, name: str, ctx: RunContext
@@ -38,6 +66,9 @@ class Batch(CentralNode[list[Any]]):
         super().__init__(source, name=name, ctx=ctx)
         self._batch_size = batch_size
         self._drop_last = drop_last
+
+    def max_items_out(self, state: Any, bound_in: int | None) -> int | None:
+        return bound_in
 
     def produce(self) -> list[Any]:
         assert self.source is not None
@@ -55,6 +86,7 @@ class Batch(CentralNode[list[Any]]):
 
 class BucketByMaxTokens(CentralNode[list[Any]]):
     kind = "bucket_by_max_tokens"
+    State = BucketState
 
     def __init__(
         self,
@@ -151,6 +183,19 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
             ARRIVALS_KEY: self._arrivals,
             DRAINING_KEY: self._draining,
         }
+
+    def max_items_out(self, state: BucketState, bound_in: int | None) -> int | None:
+        return state.arrivals  # every batch holds at least one arrived item
+
+    def check_state(self, state: BucketState, states: Mapping[str, Any]) -> None:
+        if self._buffer_size is not None and len(state.heap) > self._buffer_size:
+            raise FieldError("heap", f"at most buffer_size={self._buffer_size} entries", state.heap)
+        for length, arrival, _ in state.heap:
+            if arrival >= state.arrivals:
+                raise FieldError("heap", f"arrival indexes < arrivals ({state.arrivals})", arrival)
+            if length < self._min_len or (self._max_len is not None and length > self._max_len):
+                expected = f"lengths in [min_len, max_len] = [{self._min_len}, {self._max_len}]"
+                raise FieldError("heap", expected, length)
 
     def restore(self, state: dict[str, Any] | None) -> None:
         self._clear()

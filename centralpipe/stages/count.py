@@ -10,18 +10,27 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 from torchdata.nodes import BaseNode
 
 from centralpipe.stages.base import CentralNode, RunContext
+from centralpipe.validators import NUMBER, FieldError, checked, int_in
 
-__all__ = ["Count"]
+__all__ = ["Count", "CountState"]
 
 ITEMS_KEY = "items"
 WEIGHT_KEY = "weight"
 
 
+@attrs.frozen(kw_only=True)
+class CountState:
+    items: int = attrs.field(validator=checked(FieldError, "an int >= 0", int_in(0, 2**63)))
+    weight: float = attrs.field(validator=checked(FieldError, "a number", NUMBER))
+
+
 class Count(CentralNode[Any]):
     kind = "count"
+    State = CountState
 
     def __init__(
         self,
@@ -42,6 +51,9 @@ class Count(CentralNode[Any]):
         self.weight += 1 if self._weight_fn is None else self._weight_fn(item)
         self.items += 1
         return item
+
+    def max_items_out(self, state: CountState, bound_in: int | None) -> int | None:
+        return state.items
 
     def totals(self) -> tuple[int, float]:
         return (self.items, self.weight)

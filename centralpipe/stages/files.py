@@ -9,21 +9,42 @@ so resuming seeks there and never re-reads what was delivered.
 from __future__ import annotations
 
 import os
+import stat
+from collections.abc import Mapping
 from typing import IO, Any
 
+import attrs
+from attrs import validators as v
 from torchdata.nodes import BaseNode
 
 from centralpipe.errors import CheckpointError
 from centralpipe.stages.base import CentralNode, RunContext
+from centralpipe.stages.sources import FilesSource
+from centralpipe.validators import FieldError, checked, int_in
 
-__all__ = ["ReadLines"]
+__all__ = ["ReadLines", "ReadLinesState"]
 
 PATH_KEY = "path"
 OFFSET_KEY = "offset"
 
 
+@attrs.frozen(kw_only=True)
+class ReadLinesState:
+    """The open file (``None`` between files) and the byte offset of its next line."""
+
+    path: str | None = attrs.field(
+        validator=checked(FieldError, "None or a str", v.optional(v.instance_of(str)))
+    )
+    offset: int = attrs.field(validator=checked(FieldError, "an int >= 0", int_in(0, 2**63)))
+
+    def __attrs_post_init__(self) -> None:
+        if self.path is None and self.offset:
+            raise FieldError("offset", "0 when no file is open (path is None)", self.offset)
+
+
 class ReadLines(CentralNode[str]):
     kind = "read_lines"
+    State = ReadLinesState
 
     def __init__(self, source: BaseNode[Any], *, encoding: str, name: str, ctx: RunContext) -> None:
         super().__init__(source, name=name, ctx=ctx)
@@ -57,34 +78,64 @@ class ReadLines(CentralNode[str]):
     def own_state(self) -> dict[str, Any]:
         return {PATH_KEY: self._path, OFFSET_KEY: self._offset}
 
-    def restore(self, state: dict[str, Any] | None) -> None:
-        self._close()
-        if state is None or state[PATH_KEY] is None:
+    def check_state(self, state: ReadLinesState, states: Mapping[str, Any]) -> None:
+        path, offset = state.path, state.offset
+        if isinstance(self.source, FilesSource):
+            # The open file is the one the files stage yielded last.
+            index = states[self.source.name].index
+            paths = self.source.paths
+            current = paths[index - 1] if 0 < index <= len(paths) else None
+            if path is not None and path != current:
+                expected = (
+                    f"{current!r}, the file at index {index - 1} of stage '{self.source.name}'"
+                    if current is not None
+                    else f"None (stage '{self.source.name}' has yielded no file yet)"
+                )
+                raise FieldError("path", expected, path)
+        if path is None:
             return
-        path, offset = str(state[PATH_KEY]), int(state[OFFSET_KEY])
+        self._check_line_start(path, offset)
+
+    def _check_line_start(self, path: str, offset: int) -> None:
         try:
-            size = os.path.getsize(path)
+            info = os.stat(path)
         except OSError as exc:
             msg = f"stage '{self.name}': cannot reopen {path!r} to resume: {exc}."
             raise CheckpointError(msg) from None
+        if not stat.S_ISREG(info.st_mode):
+            raise FieldError("path", "a regular file", path)
+        size = info.st_size
         if size < offset:
             msg = (
                 f"stage '{self.name}': {path!r} is {size} bytes but the checkpoint resumes at "
                 f"byte {offset}; the file changed since the checkpoint."
             )
             raise CheckpointError(msg)
-        self._open(path, offset)
-        if offset:
-            assert self._file is not None
-            self._file.seek(offset - 1)
+        if offset and offset != size:
             # A line ends at a "\n", or at the end of a file without a final "\n".
-            if self._file.read(1) != b"\n" and offset != size:
-                self._close()
+            try:
+                f = open(path, "rb")  # noqa: SIM115 - closed below
+                try:
+                    f.seek(offset - 1)
+                    before = f.read(1)
+                finally:
+                    f.close()
+            except OSError as exc:
+                msg = f"stage '{self.name}': cannot reopen {path!r} to resume: {exc}."
+                raise CheckpointError(msg) from None
+            if before != b"\n":
                 msg = (
                     f"stage '{self.name}': the checkpoint resumes {path!r} at byte {offset}, "
                     "which is not the start of a line; the file changed since the checkpoint."
                 )
                 raise CheckpointError(msg)
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        self._close()
+        if state is None or state[PATH_KEY] is None:
+            return
+        # check_state() found the offset at a line start of this file.
+        self._open(state[PATH_KEY], state[OFFSET_KEY])
 
     def release(self) -> None:
         self._close()

@@ -10,21 +10,33 @@ is recorded in every checkpoint.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+import attrs
+from attrs import validators as v
 from torchdata.nodes import BaseNode
 
 from centralpipe.stages.base import CentralNode, RunContext
+from centralpipe.validators import FieldError, checked, int_in, sequence_of
 
-__all__ = ["Shard", "shard_length"]
+__all__ = ["Shard", "ShardState", "shard_length"]
 
 INDEX_KEY = "index"
 ROUND_KEY = "round"
 DONE_KEY = "done"
 
 
+@attrs.frozen(kw_only=True)
+class ShardState:
+    index: int = attrs.field(validator=checked(FieldError, "an int >= 0", int_in(0, 2**63)))
+    round: list[Any] = attrs.field(validator=checked(FieldError, "a list", sequence_of()))
+    done: bool = attrs.field(validator=checked(FieldError, "a bool", v.instance_of(bool)))
+
+
 class Shard(CentralNode[Any]):
     kind = "shard"
+    State = ShardState
 
     def __init__(
         self, source: BaseNode[Any], equalize: str | None, *, name: str, ctx: RunContext
@@ -70,9 +82,26 @@ class Shard(CentralNode[Any]):
         return {INDEX_KEY: self.index, ROUND_KEY: list(self._round), DONE_KEY: self._done}
 
     def restore(self, state: dict[str, Any] | None) -> None:
-        self.index = 0 if state is None else int(state[INDEX_KEY])
+        self.index = 0 if state is None else state[INDEX_KEY]
         self._round = [] if state is None else list(state[ROUND_KEY])
-        self._done = False if state is None else bool(state[DONE_KEY])
+        self._done = False if state is None else state[DONE_KEY]
+
+    def max_items_out(self, state: ShardState, bound_in: int | None) -> int | None:
+        # Each output consumed an input, except the one "pad" may add at the end.
+        return state.index + (self._equalize == "pad")
+
+    def check_state(self, state: ShardState, states: Mapping[str, Any]) -> None:
+        # The round holds the items of the current round of world_size so far.
+        if self._equalize is None or state.done:
+            if state.round:
+                raise FieldError("round", "[] (no round is being filled)", state.round)
+            if state.done and self._equalize is None:
+                raise FieldError("done", "False (equalize is None)", state.done)
+            return
+        n = state.index % self.ctx.world_size
+        if len(state.round) != n:
+            expected = f"{n} items (index {state.index} mod world_size {self.ctx.world_size})"
+            raise FieldError("round", expected, state.round)
 
 
 def shard_length(n: int, equalize: str | None, rank: int, world_size: int) -> int:

@@ -8,22 +8,53 @@ generator state, so a resumed epoch continues the same permutation.
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from typing import Any
 
+import attrs
+from attrs import validators as v
 from torchdata.nodes import BaseNode
 
 from centralpipe.seeding import derive_seed
 from centralpipe.stages.base import CentralNode, RunContext
+from centralpipe.validators import FieldError, checked, sequence_of
 
-__all__ = ["Shuffle"]
+__all__ = ["Shuffle", "ShuffleState"]
 
 BUFFER_KEY = "buffer"
 RNG_KEY = "rng"
 DRAINING_KEY = "draining"
 
 
+def _rng_state(value: Any) -> random.Random:
+    version, internal, gauss = value
+    rng = random.Random()
+    rng.setstate((version, tuple(internal), gauss))
+    return rng
+
+
+def _valid_rng(_inst: Any, _attr: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, (list, tuple)) or len(value) != 3:
+        raise TypeError(value)
+    if not isinstance(value[1], (list, tuple)) or not all(
+        isinstance(x, int) and not isinstance(x, bool) for x in value[1]
+    ):
+        raise TypeError(value)
+    _rng_state(value)  # raises ValueError/TypeError for a state random cannot take
+
+
+@attrs.frozen(kw_only=True)
+class ShuffleState:
+    buffer: list[Any] = attrs.field(validator=checked(FieldError, "a list", sequence_of()))
+    rng: list[Any] = attrs.field(
+        validator=checked(FieldError, "a random.Random state [version, [ints], gauss]", _valid_rng)
+    )
+    draining: bool = attrs.field(validator=checked(FieldError, "a bool", v.instance_of(bool)))
+
+
 class Shuffle(CentralNode[Any]):
     kind = "shuffle"
+    State = ShuffleState
 
     def __init__(
         self, source: BaseNode[Any], buffer_size: int, *, name: str, ctx: RunContext
@@ -63,10 +94,15 @@ class Shuffle(CentralNode[Any]):
             self._draining = False
             return
         self._buffer = list(state[BUFFER_KEY])
-        version, internal, gauss = state[RNG_KEY]
-        self._rng = random.Random()
-        self._rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
-        self._draining = bool(state[DRAINING_KEY])
+        self._rng = _rng_state(state[RNG_KEY])
+        self._draining = state[DRAINING_KEY]
+
+    def check_state(self, state: ShuffleState, states: Mapping[str, Any]) -> None:
+        if len(state.buffer) > self._size:
+            raise FieldError("buffer", f"at most buffer_size={self._size} items", state.buffer)
+
+    def max_items_out(self, state: ShuffleState, bound_in: int | None) -> int | None:
+        return bound_in
 
     def query_state(self) -> dict[str, Any]:
         return {"buffered": len(self._buffer), "draining": self._draining}

@@ -12,25 +12,58 @@ import glob as globlib
 import hashlib
 import itertools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+import attrs
+from attrs import validators as v
 from torchdata.nodes import BaseNode
 
 from centralpipe.errors import CheckpointError, PipelineError
 from centralpipe.stages.base import CentralNode, RunContext
+from centralpipe.validators import FieldError, checked, int_in
 
-__all__ = ["DatasetSource", "FilesSource", "IterableSource", "NodeSource"]
+__all__ = [
+    "DatasetSource",
+    "FilesSource",
+    "FilesState",
+    "IndexState",
+    "IterableSource",
+    "NodeSource",
+    "NodeState",
+]
 
 INDEX_KEY = "index"
 FILES_KEY = "files"
 NODE_KEY = "node"
 
 
+_INDEX = checked(FieldError, "an int >= 0", int_in(0, 2**63))
+
+
+@attrs.frozen(kw_only=True)
+class IndexState:
+    index: int = attrs.field(validator=_INDEX)
+
+
+@attrs.frozen(kw_only=True)
+class NodeState:
+    node: dict[str, Any] = attrs.field(
+        validator=checked(FieldError, "the node's state_dict (a dict)", v.instance_of(Mapping))
+    )
+
+
+@attrs.frozen(kw_only=True)
+class FilesState:
+    index: int = attrs.field(validator=_INDEX)
+    files: str = attrs.field(validator=checked(FieldError, "a str", v.instance_of(str)))
+
+
 class IterableSource(CentralNode[Any]):
     """Items of a sequence (by index) or of a re-iterable (by skipping forward)."""
 
     kind = "iterable"
+    State = IndexState
 
     def __init__(self, iterable: Any, mode: str, *, name: str, ctx: RunContext) -> None:
         super().__init__(None, name=name, ctx=ctx)
@@ -53,8 +86,16 @@ class IterableSource(CentralNode[Any]):
     def own_state(self) -> dict[str, Any]:
         return {INDEX_KEY: self._index}
 
+    def max_items_out(self, state: IndexState, bound_in: int | None) -> int | None:
+        return state.index
+
+    def check_state(self, state: IndexState, states: Mapping[str, Any]) -> None:
+        n = self.length()
+        if n is not None and state.index > n:
+            raise FieldError("index", f"<= {n} (the length of the source)", state.index)
+
     def restore(self, state: dict[str, Any] | None) -> None:
-        self._index = 0 if state is None else int(state[INDEX_KEY])
+        self._index = 0 if state is None else state[INDEX_KEY]
         if self._mode != "sequence":
             self._it = iter(self._iterable() if self._mode == "factory" else self._iterable)
             if self._index:
@@ -87,6 +128,7 @@ class NodeSource(CentralNode[Any]):
     """A user's ``BaseNode``: its own ``state_dict()`` is the state."""
 
     kind = "node"
+    State = NodeState
 
     def __init__(self, node: BaseNode[Any], *, name: str, ctx: RunContext) -> None:
         super().__init__(None, name=name, ctx=ctx)
@@ -123,6 +165,7 @@ class FilesSource(CentralNode[str]):
     :meth:`prepare` when the Loader starts."""
 
     kind = "files"
+    State = FilesState
 
     def __init__(
         self,
@@ -170,19 +213,24 @@ class FilesSource(CentralNode[str]):
     def own_state(self) -> dict[str, Any]:
         return {INDEX_KEY: self._index, FILES_KEY: self._digest}
 
-    def restore(self, state: dict[str, Any] | None) -> None:
+    def max_items_out(self, state: FilesState, bound_in: int | None) -> int | None:
+        return state.index
+
+    def check_state(self, state: FilesState, states: Mapping[str, Any]) -> None:
         self.prepare()
-        if state is None:
-            self._index = 0
-            return
-        if state.get(FILES_KEY) != self._digest:
+        if state.files != self._digest:
             msg = (
                 f"stage '{self.name}': the file list changed since the checkpoint "
-                f"(checkpoint digest {state.get(FILES_KEY)!r}, now {self._digest!r} for "
+                f"(checkpoint digest {state.files!r}, now {self._digest!r} for "
                 f"{len(self.paths)} files); resuming would read the wrong files."
             )
             raise CheckpointError(msg)
-        self._index = int(state[INDEX_KEY])
+        if state.index > len(self.paths):
+            raise FieldError("index", f"<= {len(self.paths)} (the number of files)", state.index)
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        self.prepare()
+        self._index = 0 if state is None else state[INDEX_KEY]
 
     def length(self) -> int:
         return len(self.paths)

@@ -11,17 +11,28 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import attrs
 from torchdata.nodes import BaseNode
 
-from centralpipe.stages.base import CentralNode, RunContext
+from centralpipe.stages.base import CentralNode, NoState, RunContext
+from centralpipe.validators import FieldError, checked, sequence_of
 
-__all__ = ["Filter", "FlatMap", "Map"]
+__all__ = ["Filter", "FlatMap", "FlatMapState", "Map"]
 
 PENDING_KEY = "pending"
 
 
+@attrs.frozen(kw_only=True)
+class FlatMapState:
+    pending: list[Any] = attrs.field(validator=checked(FieldError, "a list", sequence_of()))
+
+
 class Map(CentralNode[Any]):
     kind = "map"
+    State = NoState
+
+    def max_items_out(self, state: Any, bound_in: int | None) -> int | None:
+        return bound_in
 
     def __init__(
         self, source: BaseNode[Any], fn: Callable[[Any], Any], *, name: str, ctx: RunContext
@@ -36,6 +47,10 @@ class Map(CentralNode[Any]):
 
 class Filter(CentralNode[Any]):
     kind = "filter"
+    State = NoState
+
+    def max_items_out(self, state: Any, bound_in: int | None) -> int | None:
+        return bound_in
 
     def __init__(
         self, source: BaseNode[Any], pred: Callable[[Any], bool], *, name: str, ctx: RunContext
@@ -54,6 +69,7 @@ class Filter(CentralNode[Any]):
 
 class FlatMap(CentralNode[Any]):
     kind = "flat_map"
+    State = FlatMapState
 
     def __init__(
         self,

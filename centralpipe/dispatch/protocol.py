@@ -142,15 +142,13 @@ class Encoded(NamedTuple):
 
 def encode(obj: Any) -> Encoded:
     """Serialise ``obj`` (raises whatever pickling raises)."""
-    head, buffers = transport.dumps(obj)
-    return Encoded(head, buffers)
+    message = transport.dumps(obj)
+    return Encoded(message.head, message.buffers)
 
 
 def send_encoded(conn: Connection, message: Encoded) -> None:
     """Write an encoded message (blocks while the pipe is full)."""
-    conn.send_bytes(message.head)
-    for buf in message.buffers:
-        conn.send_bytes(buf)
+    transport.write(conn, transport.Message(message.head, message.buffers))
 
 
 def send(conn: Connection, obj: Any) -> None:
@@ -165,8 +163,7 @@ def recv(conn: Connection) -> Any:
 
 def copy_items(items: list[Any]) -> list[Any]:
     """A serialised round trip of ``items``: what a worker would receive."""
-    head, buffers = transport.dumps(items)
-    copied: list[Any] = transport.loads(head, [bytearray(b) for b in buffers])
+    copied: list[Any] = transport.copy(items)
     return copied
 
 

@@ -1,157 +1,402 @@
-"""Messages over ``multiprocessing`` connections, tensors as raw bytes.
+"""What crosses the worker boundary: pickled messages with raw array memory.
 
-``Connection.send`` builds a pickler and copies torch's reducers on every
-message (~9 µs once torch is imported) and torch's shared-memory tensor
-reductions are among the slowest transports on a small machine. Instead a
-message is one ``pickle`` (protocol 5) whose CPU tensors are reduced to
-out-of-band buffers: the header carries the buffer sizes, then each tensor's
-bytes follow as one ``send_bytes`` of its memory (no copy on the way out) and
-are read from the socket straight into the memory of a new tensor, which
-becomes the received tensor's storage. Small tensors travel in-band.
+A message is one ``pickle`` (protocol 5) in which the memory of CPU tensors
+and numpy arrays is not copied into the pickle. Instead every tensor and array
+refers to a *region* of a table: one region per underlying memory block
+(a torch storage, or a numpy base array), covering the bytes that the
+message's tensors and arrays use of it. So
+
+- views and tensors that share memory arrive sharing memory (the region is
+  sent once and each view is rebuilt on it, with its own offset, shape and
+  strides), which ``pickle`` itself does not do for torch or numpy;
+- a small view of a large tensor sends only the bytes it spans;
+- every dtype crosses as bytes (``bool``, ``bfloat16``, complex, structured
+  numpy dtypes), 0-d and non-contiguous arrays keep their shape and strides,
+  read-only numpy arrays stay read-only;
+- large regions (and protocol-5 ``PickleBuffer``\\ s of other libraries) travel
+  out of band: :func:`dumps` returns them as separate buffers (memoryviews of
+  the original memory, no copy), which :func:`send` writes with
+  ``Connection.send_bytes`` and :func:`recv` reads into fresh ``bytearray``\\ s
+  that become the memory of the received tensors and arrays.
+
+Anything else pickles as ``pickle`` does; ``memoryview`` (which ``pickle``
+refuses) arrives as a ``memoryview`` of the same format, shape and
+writability. Tensors that are not plain CPU strided tensors (CUDA, sparse,
+quantized, conjugate/negative views, ``requires_grad``) fall back to
+torch's own reduction.
+
+Only public APIs: ``pickle``, ``multiprocessing.connection``, torch
+(``untyped_storage``, ``Tensor.set_``, ``torch.frombuffer``) and numpy.
 """
 
 from __future__ import annotations
 
 import copyreg
-import ctypes
 import io
-import os
 import pickle
 import struct
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
-__all__ = ["dumps", "loads", "recv", "send"]
+try:
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy is optional
+    np = None  # type: ignore[assignment]
 
-#: Tensors smaller than this go inside the pickle (one copy beats a message).
+__all__ = ["Message", "copy", "dumps", "loads", "recv", "send", "write"]
+
+#: Regions smaller than this travel inside the header (one copy beats a message).
 INBAND_MAX_BYTES = 16 * 1024
-_COUNT = struct.Struct("<I")
-_SIZE = struct.Struct("<Q")
-_NO_BUFFERS = _COUNT.pack(0)
-_FRAME = struct.Struct("!i")
-_FRAME_BIG = struct.Struct("!Q")
+#: Regions start on this boundary, so every dtype's offsets stay whole elements.
+_ALIGN = 64
+# header: meta length (u32), out-of-band buffer count (u32); then per buffer
+# its size (u64) and read-only flag (u8); then the meta pickle, then the body.
+_HEAD = struct.Struct("<II")
+_BUF = struct.Struct("<QB")
+_THIS = __name__
 
 
-def _rebuild_tensor(data: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    if isinstance(data, torch.Tensor):  # an out-of-band buffer read by recv()
-        return data.view(dtype).view(shape)
-    view = memoryview(data)
-    if view.nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    if view.readonly:
-        data = bytearray(view)
-    flat = torch.frombuffer(data, dtype=torch.uint8)
-    return flat.view(dtype).view(shape)
+class Message:
+    """A pickled message: ``head`` (bytes) and out-of-band ``buffers``."""
+
+    __slots__ = ("buffers", "head")
+
+    def __init__(self, head: bytes, buffers: list[memoryview]) -> None:
+        self.head = head
+        self.buffers = buffers
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.head) + sum(b.nbytes for b in self.buffers)
 
 
-def _reduce_tensor(t: torch.Tensor) -> Any:
-    if (
-        t.device.type != "cpu"
-        or t.layout != torch.strided
-        or t.requires_grad
-        or t.is_quantized
-        or t.is_conj()
-        or t.is_neg()
-    ):
-        return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-    t = t.contiguous()
-    nbytes = t.numel() * t.element_size()
-    shape = tuple(t.shape)
-    if nbytes == 0:
-        return (_rebuild_tensor, (b"", t.dtype, shape))
-    array = (ctypes.c_char * nbytes).from_address(t.data_ptr())
-    array.owner = t  # type: ignore[attr-defined]  # the view must keep the memory alive
-    raw = memoryview(array).cast("B")
-    if nbytes < INBAND_MAX_BYTES:
-        return (_rebuild_tensor, (raw.tobytes(), t.dtype, shape))
-    return (_rebuild_tensor, (pickle.PickleBuffer(raw), t.dtype, shape))
+# -- regions -------------------------------------------------------------------
+
+
+class _Region:
+    """One memory block referenced by the message: the bytes ``[lo, hi)`` of
+    ``source`` (a flat uint8 tensor or array over the block) are sent."""
+
+    __slots__ = ("hi", "index", "lo", "source")
+
+    def __init__(self, index: int, source: Any) -> None:
+        self.index = index
+        self.source = source
+        self.lo = -1
+        self.hi = -1
+
+    def cover(self, lo: int, hi: int) -> None:
+        self.lo = lo if self.lo < 0 else min(self.lo, lo)
+        self.hi = max(self.hi, hi)
+
+    def __reduce__(self) -> Any:
+        # Resolved by _Unpickler.find_class: the table is per message.
+        return (_region, (self.index,))
+
+
+def _region(index: int) -> Any:  # pragma: no cover - replaced at load time
+    raise pickle.UnpicklingError("a region reference outside a centralpipe message")
+
+
+def _span(offset: int, shape: Sequence[int], strides: Sequence[int], itemsize: int) -> tuple:
+    """Byte range ``[lo, hi)`` used by an array at byte ``offset`` (non-empty)."""
+    lo = hi = offset
+    for n, st in zip(shape, strides):
+        reach = (n - 1) * st
+        if reach < 0:
+            lo += reach
+        else:
+            hi += reach
+    return lo, hi + itemsize
 
 
 class _Pickler(pickle.Pickler):
     dispatch_table = copyreg.dispatch_table.copy()
-    dispatch_table[torch.Tensor] = _reduce_tensor
+
+    def __init__(self, file: Any, buffers: list[memoryview]) -> None:
+        super().__init__(file, protocol=5, buffer_callback=self._oob)
+        self.buffers = buffers
+        self.regions: dict[tuple[Any, ...], _Region] = {}
+
+    def _oob(self, buf: pickle.PickleBuffer) -> None:
+        self.buffers.append(buf.raw())
+
+    def region(self, key: tuple[Any, ...], source: Any) -> _Region:
+        reg = self.regions.get(key)
+        if reg is None:
+            reg = self.regions[key] = _Region(len(self.regions), source)
+        return reg
+
+    def reducer_override(self, obj: Any) -> Any:
+        # Called only for objects the C pickler does not handle natively
+        # (not for ints, strs, lists, ...), so plain data pays nothing.
+        cls = type(obj)
+        if cls is torch.Tensor:
+            return self._reduce_tensor(obj)
+        if np is not None and cls is np.ndarray:
+            return self._reduce_array(obj)
+        if cls is memoryview:
+            return _reduce_memoryview(obj)
+        return NotImplemented
+
+    def _reduce_tensor(self, t: torch.Tensor) -> Any:
+        if (
+            t.device.type != "cpu"
+            or t.layout != torch.strided
+            or t.requires_grad
+            or t.is_quantized
+            or t.is_conj()
+            or t.is_neg()
+        ):
+            return NotImplemented  # torch's own reduction
+        shape, stride = tuple(t.shape), t.stride()
+        if t.numel() == 0:
+            return (_empty_tensor, (t.dtype, shape, stride))
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        key = ("t", storage.data_ptr(), nbytes)
+        reg = self.regions.get(key)
+        if reg is None:
+            flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
+            reg = self.region(key, flat)
+        size = t.element_size()
+        offset = int(t.storage_offset()) * size
+        reg.cover(*_span(offset, shape, [s * size for s in stride], size))
+        return (_rebuild_tensor, (reg, offset, t.dtype, shape, stride))
+
+    def _reduce_array(self, a: Any) -> Any:
+        if a.dtype.hasobject:
+            return NotImplemented  # numpy's own reduction pickles the objects
+        if a.size == 0:
+            return (_empty_array, (a.dtype, a.shape, a.flags.writeable))
+        root = a
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        writeable = a.flags.writeable
+        offset = a.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+        span = _span(offset, a.shape, a.strides, a.itemsize)
+        if (root.flags.c_contiguous or root.flags.f_contiguous) and (
+            span[0] >= 0 and span[1] <= root.nbytes
+        ):
+            key = ("n", root.__array_interface__["data"][0], root.nbytes)
+            reg = self.regions.get(key)
+            if reg is None:
+                reg = self.region(key, root.reshape(-1, order="A").view(np.uint8))
+        else:  # memory of another layout (e.g. broadcast): this array alone, compact
+            a = a if a.flags.c_contiguous or a.flags.f_contiguous else np.ascontiguousarray(a)
+            reg = self.region(("n", id(a)), a.reshape(-1, order="A").view(np.uint8))
+            offset = 0
+            span = (0, a.nbytes)
+        reg.cover(*span)
+        return (_rebuild_array, (reg, offset, a.dtype, a.shape, a.strides, writeable))
 
 
-def dumps(obj: Any) -> tuple[bytes, list[memoryview]]:
-    """Pickle ``obj``; large tensors come back as separate raw buffers.
+def _reduce_memoryview(m: memoryview) -> Any:
+    args = (bytearray(m.tobytes()), m.format, tuple(m.shape or ()), m.readonly)
+    try:
+        _rebuild_memoryview(*args)
+    except (TypeError, ValueError) as exc:
+        msg = f"a memoryview of format {m.format!r} cannot be rebuilt on the other side: {exc}"
+        raise pickle.PicklingError(msg) from None
+    return (_rebuild_memoryview, args)
 
-    The header is: buffer count (u32), each buffer's size (u64), the pickle.
-    """
+
+# -- rebuilding ------------------------------------------------------------------
+
+
+def _empty_tensor(dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...]) -> Any:
+    return torch.empty_strided(shape, stride, dtype=dtype)
+
+
+def _empty_array(dtype: Any, shape: tuple[int, ...], writeable: bool) -> Any:
+    a = np.empty(shape, dtype)
+    a.flags.writeable = writeable
+    return a
+
+
+class _Loaded:
+    """A received region: its memory and the byte offset it starts at.
+
+    Tensors rebuilt on it share one storage and arrays one base array, so
+    sending them on again keeps their sharing too."""
+
+    __slots__ = ("array", "base", "buffer", "tensor")
+
+    def __init__(self, base: int, buffer: Any) -> None:
+        self.base = base
+        self.buffer = buffer  # a writable bytes-like object
+        self.tensor: torch.Tensor | None = None
+        self.array: Any = None
+
+    def root(self) -> Any:
+        if self.array is None:
+            self.array = np.frombuffer(self.buffer, dtype=np.uint8)
+        return self.array
+
+    def storage(self) -> Any:
+        if self.tensor is None:
+            if len(self.buffer):
+                self.tensor = torch.frombuffer(self.buffer, dtype=torch.uint8)
+            else:
+                self.tensor = torch.empty(0, dtype=torch.uint8)
+        return self.tensor.untyped_storage()
+
+
+def _rebuild_tensor(
+    reg: _Loaded, offset: int, dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...]
+) -> torch.Tensor:
+    start = (offset - reg.base) // dtype.itemsize
+    return torch.empty(0, dtype=dtype).set_(reg.storage(), start, shape, stride)
+
+
+def _rebuild_array(
+    reg: _Loaded,
+    offset: int,
+    dtype: Any,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    writeable: bool,
+) -> Any:
+    a = np.ndarray(shape, dtype, buffer=reg.root(), offset=offset - reg.base, strides=strides)
+    if not writeable:
+        a.flags.writeable = False
+    return a
+
+
+def _rebuild_memoryview(data: bytearray, fmt: str, shape: tuple[int, ...], readonly: bool) -> Any:
+    m: memoryview = memoryview(data)
+    if fmt != "B" or len(shape) != 1:
+        m = m.cast("B").cast(fmt, shape)  # type: ignore[call-overload]
+    return m.toreadonly() if readonly else m
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: Any, buffers: Sequence[Any], regions: list[_Loaded]) -> None:
+        super().__init__(file, buffers=buffers)
+        self.regions = regions
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == _THIS and name == "_region":
+            return self.regions.__getitem__
+        return super().find_class(module, name)
+
+
+# -- messages --------------------------------------------------------------------
+
+
+def dumps(obj: Any) -> Message:
+    """Pickle ``obj``; large array memory comes back as separate buffers."""
     buffers: list[memoryview] = []
     out = io.BytesIO()
-    _Pickler(out, protocol=5, buffer_callback=lambda b: buffers.append(b.raw())).dump(obj)
-    if not buffers:
-        return _NO_BUFFERS + out.getvalue(), buffers
-    prefix = _COUNT.pack(len(buffers)) + b"".join(_SIZE.pack(b.nbytes) for b in buffers)
-    return prefix + out.getvalue(), buffers
+    pickler = _Pickler(out, buffers)
+    pickler.dump(obj)
+    body = out.getbuffer()
+    flags = [b.readonly for b in buffers]
+    if not pickler.regions:
+        meta = b""
+    else:
+        table: list[tuple[int, int, bytes | None]] = []  # (base, size, in-band bytes)
+        for reg in pickler.regions.values():
+            base = reg.lo - reg.lo % _ALIGN
+            data = reg.source[base : reg.hi]
+            size = reg.hi - base
+            if size < INBAND_MAX_BYTES:
+                table.append((base, size, _bytes(data)))
+            else:
+                table.append((base, size, None))
+                buffers.append(_view(data))
+                flags.append(False)
+        meta = pickle.dumps(table, protocol=5)
+    sizes = b"".join(_BUF.pack(b.nbytes, ro) for b, ro in zip(buffers, flags))
+    head = _HEAD.pack(len(meta), len(buffers)) + sizes + meta + body
+    return Message(head, buffers)
+
+
+def _view(data: Any) -> memoryview:
+    if isinstance(data, torch.Tensor):
+        data = data.numpy()
+    return memoryview(data).cast("B")
+
+
+def _bytes(data: Any) -> bytes:
+    return _view(data).tobytes()
+
+
+def _parse(head: Any) -> tuple[memoryview, list[tuple[int, bool]], int]:
+    view = memoryview(head)
+    _, count = _HEAD.unpack_from(view, 0)
+    pos = _HEAD.size
+    sizes = []
+    for _ in range(count):
+        size, ro = _BUF.unpack_from(view, pos)
+        sizes.append((size, bool(ro)))
+        pos += _BUF.size
+    return view, sizes, pos
+
+
+def buffer_sizes(head: Any) -> list[int]:
+    """Sizes of the out-of-band buffers that follow ``head``."""
+    return [size for size, _ in _parse(head)[1]]
+
+
+def loads(head: Any, buffers: Sequence[Any]) -> Any:
+    """Inverse of :func:`dumps`; ``buffers`` are writable (e.g. ``bytearray``)
+    and become the memory of the objects rebuilt on them."""
+    view, sizes, pos = _parse(head)
+    meta_len = _HEAD.unpack_from(view, 0)[0]
+    regions: list[_Loaded] = []
+    n_pickle = len(sizes)
+    if meta_len:
+        table = pickle.loads(view[pos : pos + meta_len])
+        n_pickle -= sum(1 for *_, data in table if data is None)
+        k = n_pickle
+        for base, _size, data in table:
+            if data is None:
+                regions.append(_Loaded(base, buffers[k]))
+                k += 1
+            else:
+                regions.append(_Loaded(base, bytearray(data)))
+    oob = [
+        memoryview(b).toreadonly() if ro else b
+        for b, (_, ro) in zip(buffers[:n_pickle], sizes[:n_pickle])
+    ]
+    body = io.BytesIO(view[pos + meta_len :])
+    return _Unpickler(body, oob, regions).load()
+
+
+def copy(obj: Any) -> Any:
+    """``obj`` as the other side of the boundary would receive it."""
+    msg = dumps(obj)
+    return loads(msg.head, [bytearray(b) for b in msg.buffers])
+
+
+def write(conn: Connection, msg: Message) -> None:
+    """Send a message built by :func:`dumps`."""
+    conn.send_bytes(msg.head)
+    for buf in msg.buffers:
+        conn.send_bytes(buf)
 
 
 def send(conn: Connection, obj: Any) -> None:
     """Send one message: the header, then each out-of-band buffer."""
-    head, buffers = dumps(obj)
-    conn.send_bytes(head)
-    for buf in buffers:
-        conn.send_bytes(buf)
+    write(conn, dumps(obj))
 
 
 def recv(conn: Connection) -> Any:
-    """Receive one message sent by :func:`send`."""
-    view = memoryview(conn.recv_bytes())
-    (count,) = _COUNT.unpack_from(view, 0)
-    if not count:
-        return pickle.loads(view[_COUNT.size :])
+    """Receive one message sent by :func:`send`.
+
+    Every byte of the message is read before anything is unpickled, so an
+    object that fails to unpickle (raised as is) leaves the pipe in step."""
+    head = conn.recv_bytes()
     buffers = []
-    for i in range(count):
-        (size,) = _SIZE.unpack_from(view, _COUNT.size + i * _SIZE.size)
-        buffers.append(_recv_tensor(conn, size))
-    return pickle.loads(view[_COUNT.size + count * _SIZE.size :], buffers=buffers)
-
-
-def _read_exact(fd: int, view: memoryview) -> None:
-    pos, n = 0, view.nbytes
-    while pos < n:
-        got = os.readv(fd, [view[pos:]])
-        if got == 0:
-            raise EOFError("connection closed in the middle of a message")
-        pos += got
-
-
-def _recv_tensor(conn: Connection, size: int) -> torch.Tensor:
-    """One ``send_bytes`` message read straight into a new uint8 tensor.
-
-    ``Connection.recv_bytes_into`` reads into a growing ``BytesIO`` and then
-    copies; reading the socket into the tensor's own memory writes each byte
-    once. The framing is ``send_bytes``': a signed 32-bit big-endian length,
-    or -1 and a 64-bit length for messages over 2 GiB.
-    """
-    if size == 0 or not hasattr(os, "readv"):
-        array = bytearray(size)
-        conn.recv_bytes_into(array)
-        return (
-            torch.frombuffer(array, dtype=torch.uint8)
-            if size
-            else torch.empty(0, dtype=torch.uint8)
-        )
-    fd = conn.fileno()
-    head = bytearray(4)
-    _read_exact(fd, memoryview(head))
-    (length,) = _FRAME.unpack(head)
-    if length == -1:
-        big = bytearray(8)
-        _read_exact(fd, memoryview(big))
-        (length,) = _FRAME_BIG.unpack(big)
-    if length != size:
-        raise EOFError(f"expected a {size}-byte buffer, got a {length}-byte message")
-    out = torch.empty(size, dtype=torch.uint8)
-    memory = (ctypes.c_char * size).from_address(out.data_ptr())
-    _read_exact(fd, memoryview(memory).cast("B"))
-    return out
-
-
-def loads(head: bytes, buffers: list[Any]) -> Any:
-    """Inverse of :func:`dumps` for buffers already at hand."""
-    view = memoryview(head)
-    (count,) = _COUNT.unpack_from(view, 0)
-    return pickle.loads(view[_COUNT.size + count * _SIZE.size :], buffers=buffers)
+    for size in buffer_sizes(head):
+        buf = bytearray(size)
+        if size:
+            conn.recv_bytes_into(buf)
+        else:
+            conn.recv_bytes()
+        buffers.append(buf)
+    return loads(head, buffers)

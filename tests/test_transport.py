@@ -1,0 +1,380 @@
+"""Every picklable item crosses the worker boundary unchanged, both ways.
+
+``describe`` turns an item into a plain structure that states everything a
+user can observe: types, values (as bytes, so NaNs compare), dtypes, shapes,
+strides, writability, object identity, which tensors share a storage and
+which arrays and tensors overlap in memory (with their relative addresses).
+The property: ``describe`` of the original, of what a worker stage received,
+and of what the consumer got back are equal, for 0 and 2 workers.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import pickle
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import centralpipe as cp
+from centralpipe.dispatch import transport
+from tests._configs import loader_config
+
+Point = collections.namedtuple("Point", "x y")
+
+
+@dataclasses.dataclass
+class Record:
+    name: str
+    payload: Any
+
+
+class Reduced:
+    """An object with its own ``__reduce__`` holding array data."""
+
+    def __init__(self, tag: str, data: Any) -> None:
+        self.tag = tag
+        self.data = data
+
+    def __reduce__(self) -> Any:
+        return (Reduced, (self.tag, self.data))
+
+
+# -- describe --------------------------------------------------------------------
+
+
+def _bytes_of_tensor(t: torch.Tensor) -> bytes:
+    flat = t.detach().reshape(-1).contiguous()
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+def _span(addr: int, shape: Any, strides: Any, itemsize: int) -> tuple[int, int]:
+    """Byte range ``[lo, hi)`` an array spans (empty for no elements)."""
+    lo = hi = addr
+    for n, s in zip(shape, strides):
+        if n == 0:
+            return addr, addr
+        if s < 0:
+            lo += (n - 1) * s
+        else:
+            hi += (n - 1) * s
+    return lo, hi + itemsize
+
+
+def describe(obj: Any) -> Any:
+    """The observable structure of ``obj`` (see the module docstring)."""
+    seen: dict[int, int] = {}
+    memory: list[tuple[str, int, int, int, int]] = []  # kind, index, lo, hi, storage
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, (int, float, str, type(None), bool, bytes)):
+            return (type(x).__name__, x)
+        key = id(x)
+        if key in seen:
+            return ("same-as", seen[key])
+        seen[key] = len(seen)
+        ident = seen[key]
+        if isinstance(x, torch.Tensor):
+            size = x.element_size()
+            lo, hi = _span(x.data_ptr(), x.shape, [s * size for s in x.stride()], size)
+            storage = x.untyped_storage().data_ptr() if x.numel() else -1
+            memory.append(("t", ident, lo, hi, storage))
+            return ("tensor", ident, str(x.dtype), tuple(x.shape), x.stride(), _bytes_of_tensor(x))
+        if isinstance(x, np.ndarray):
+            if x.dtype.hasobject:
+                return ("ndarray-obj", ident, x.shape, [walk(v) for v in x.ravel().tolist()])
+            addr = x.__array_interface__["data"][0]
+            lo, hi = _span(addr, x.shape, x.strides, x.itemsize)
+            if x.size:
+                memory.append(("n", ident, lo, hi, -1))
+            return (
+                "ndarray",
+                ident,
+                x.dtype.str,
+                str(x.dtype),
+                x.shape,
+                x.strides if x.size else None,  # an empty array's strides do not matter
+                x.flags.writeable,
+                np.ascontiguousarray(x).tobytes(),
+            )
+        if isinstance(x, np.generic):
+            return ("npscalar", str(x.dtype), x.tobytes())
+        if isinstance(x, bytearray):
+            return ("bytearray", ident, bytes(x))
+        if isinstance(x, memoryview):
+            return ("memoryview", ident, x.format, x.shape, x.readonly, x.tobytes())
+        if isinstance(x, tuple) and hasattr(x, "_fields"):
+            return (type(x).__name__, ident, [walk(v) for v in x])
+        if isinstance(x, (list, tuple)):
+            return (type(x).__name__, ident, [walk(v) for v in x])
+        if isinstance(x, dict):
+            return ("dict", ident, [(walk(k), walk(v)) for k, v in x.items()])
+        if dataclasses.is_dataclass(x):
+            fields = [(f.name, walk(getattr(x, f.name))) for f in dataclasses.fields(x)]
+            return (type(x).__name__, ident, fields)
+        if isinstance(x, Reduced):
+            return ("Reduced", ident, x.tag, walk(x.data))
+        raise TypeError(f"describe() does not know {type(x).__name__}")
+
+    tree = walk(obj)
+    # Observable sharing: tensors on one storage, and overlapping memory
+    # (written through one, seen through the other) with relative addresses.
+    shared = []
+    for i, (ka, ia, loa, hia, sa) in enumerate(memory):
+        for kb, ib, lob, hib, sb in memory[i + 1 :]:
+            same_storage = ka == kb == "t" and sa == sb and sa != -1
+            overlap = loa < hib and lob < hia
+            if same_storage or overlap:
+                shared.append((ia, ib, same_storage, overlap, loa - lob))
+    return tree, sorted(shared)
+
+
+# -- strategies ------------------------------------------------------------------
+
+TENSOR_DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+]
+ARRAY_DTYPES = [
+    np.dtype(np.bool_),
+    np.dtype(np.int8),
+    np.dtype(np.uint16),
+    np.dtype(">i4"),
+    np.dtype(np.int64),
+    np.dtype(np.float16),
+    np.dtype(np.float32),
+    np.dtype(np.float64),
+    np.dtype(np.complex128),
+    np.dtype("S3"),
+    np.dtype("U2"),
+    np.dtype([("a", "<i4"), ("b", "f8"), ("c", "S2")]),
+]
+
+
+def _random_bytes(seed: int, n: int) -> bytearray:
+    g = torch.Generator().manual_seed(seed)
+    return bytearray(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy().tobytes())
+
+
+@st.composite
+def tensor_family(draw: st.DrawFn) -> list[Any]:
+    """A base tensor and some views of it (sharing its storage)."""
+    dtype = draw(st.sampled_from(TENSOR_DTYPES))
+    rows = draw(st.integers(0, 6))
+    cols = draw(st.sampled_from([0, 1, 3, 8, 3000]))  # 3000 columns: out of band
+    raw = _random_bytes(draw(st.integers(0, 2**31)), rows * cols * dtype.itemsize)
+    flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    if dtype is torch.bool:
+        flat = flat % 2
+    base = flat.view(dtype).reshape(rows, cols)
+    views = [base]
+    for _ in range(draw(st.integers(0, 3))):
+        kind = draw(st.sampled_from(["slice", "t", "row", "scalar", "col", "clone"]))
+        if kind == "slice" and rows:
+            a = draw(st.integers(0, rows - 1))
+            views.append(base[a : draw(st.integers(a, rows)) : draw(st.integers(1, 3))])
+        elif kind == "t":
+            views.append(base.t())
+        elif kind == "row" and rows:
+            views.append(base[draw(st.integers(0, rows - 1))])
+        elif kind == "scalar" and rows and cols:
+            views.append(base[rows - 1, cols - 1])
+        elif kind == "col" and cols:
+            views.append(base[:, draw(st.integers(0, cols - 1))])
+        elif kind == "clone":
+            views.append(base.clone())
+    if draw(st.booleans()) and len(views) > 1:
+        views = views[1:]  # views without their base: only their bytes travel
+    return views
+
+
+@st.composite
+def array_family(draw: st.DrawFn) -> list[Any]:
+    """A base numpy array and some views of it."""
+    dtype = draw(st.sampled_from(ARRAY_DTYPES))
+    shape = draw(st.sampled_from([(), (0,), (5,), (3, 4), (2, 3, 2), (40, 100)]))
+    n = int(np.prod(shape)) * dtype.itemsize
+    raw = _random_bytes(draw(st.integers(0, 2**31)), n)
+    if dtype == np.bool_:
+        raw = bytearray(b % 2 for b in raw)
+    if dtype.kind == "U":
+        raw = bytearray(np.array(["ab"] * (n // dtype.itemsize), dtype=dtype).tobytes())
+    if dtype.kind == "f" or dtype.kind == "c" or dtype.fields:
+        raw = bytearray(np.ones(int(np.prod(shape)), dtype=dtype).tobytes()) if n else raw
+    base = np.frombuffer(raw, dtype=dtype).reshape(shape)
+    if draw(st.booleans()):
+        base = base.copy()  # owns its memory
+    views = [base]
+    for _ in range(draw(st.integers(0, 3))):
+        kind = draw(st.sampled_from(["step", "T", "first", "readonly", "fortran"]))
+        if kind == "step" and base.ndim:
+            views.append(base[:: draw(st.sampled_from([-1, 2, 3]))])
+        elif kind == "T":
+            views.append(base.T)
+        elif kind == "first" and base.ndim and base.shape[0]:
+            views.append(base[0])
+        elif kind == "readonly":
+            ro = base.view()
+            ro.flags.writeable = False
+            views.append(ro)
+        elif kind == "fortran":
+            views.append(np.asfortranarray(base))
+    return views
+
+
+leaves = st.one_of(
+    st.integers(),
+    st.floats(allow_nan=False),
+    st.text(max_size=5),
+    st.none(),
+    st.binary(max_size=8),
+    st.binary(max_size=8).map(bytearray),
+    st.binary(max_size=8).map(memoryview),
+    st.binary(min_size=8, max_size=8).map(lambda b: memoryview(bytearray(b)).cast("i")),
+    st.builds(np.float32, st.floats(width=32, allow_nan=False)),
+    st.builds(lambda xs: np.array(xs, dtype=object), st.lists(st.integers(), max_size=3)),
+    tensor_family().map(tuple),
+    array_family().map(tuple),
+)
+
+
+def _containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.one_of(
+        st.lists(children, max_size=3),
+        st.lists(children, max_size=3).map(tuple),
+        st.dictionaries(st.text(max_size=3), children, max_size=3),
+        st.builds(Point, children, children),
+        st.builds(Record, st.text(max_size=3), children),
+        st.builds(Reduced, st.text(max_size=3), children),
+    )
+
+
+@st.composite
+def items(draw: st.DrawFn) -> Any:
+    """An item, sometimes holding the same object twice."""
+    item = draw(st.recursive(leaves, _containers, max_leaves=6))
+    if draw(st.booleans()):
+        item = [item, item]
+    return item
+
+
+# -- the property ----------------------------------------------------------------
+
+
+def _echo(item: Any) -> Any:
+    """Worker stage: what the worker received, described, and the item itself."""
+    return describe(item), item
+
+
+@given(st.lists(items(), min_size=1, max_size=3))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_copy_keeps_everything_observable(batch: list[Any]) -> None:
+    """transport.copy rebuilds values, dtypes, shapes, strides, identity and sharing,
+    also for what it rebuilt (an item sent to a worker and back)."""
+    once = transport.copy(batch)
+    assert describe(once) == describe(batch)
+    assert describe(transport.copy(once)) == describe(batch)
+
+
+@given(batch=st.lists(items(), min_size=1, max_size=4))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_items_cross_unchanged_for_any_num_workers(batch: list[Any]) -> None:
+    """Items reach the worker stages and come back unchanged with 0 and 2 workers."""
+    expected = [describe(item) for item in batch]
+    pipe = cp.Pipeline.from_iterable(batch).dispatch().map(_echo)
+    for num_workers in (0, 2):
+        with cp.Loader(pipe, loader_config(num_workers=num_workers, chunk_size=2)) as loader:
+            got = list(loader)
+        assert [seen for seen, _ in got] == expected, "as received by the worker stage"
+        assert [describe(back) for _, back in got] == expected, "as delivered"
+
+
+# -- cases worth naming ------------------------------------------------------------
+
+
+def _numpy_full(x: int) -> Any:
+    return np.full(4, x, dtype=np.float32)
+
+
+def _add_one(a: Any) -> Any:
+    return a + 1
+
+
+@pytest.mark.parametrize("num_workers", [0, 1], ids=["inline", "1-worker"])
+def test_numpy_results_and_inputs_cross(num_workers: int) -> None:
+    """A numpy result comes back and a numpy input reaches the worker (issue: TypeError)."""
+    to_worker = cp.Pipeline.from_iterable([np.arange(3) * i for i in range(5)])
+    from_worker = cp.Pipeline.from_iterable(range(5)).dispatch().map(_numpy_full)
+    config = loader_config(num_workers=num_workers)
+    with cp.Loader(from_worker, config) as loader:
+        out = list(loader)
+    assert all(isinstance(a, np.ndarray) and a.dtype == np.float32 for a in out)
+    assert [a.tolist() for a in out] == [[float(i)] * 4 for i in range(5)]
+    with cp.Loader(to_worker.dispatch().map(_add_one), config) as loader:
+        assert [a.tolist() for a in loader] == [(np.arange(3) * i + 1).tolist() for i in range(5)]
+
+
+def test_view_of_large_tensor_sends_only_its_bytes() -> None:
+    """A small view of a large tensor costs its own bytes, not the whole storage."""
+    big = torch.zeros(1_000_000)
+    msg = transport.dumps(big[10:20])
+    assert msg.nbytes < 1024
+    assert torch.equal(transport.copy(big[10:20]), big[10:20])
+
+
+def test_large_tensor_memory_is_out_of_band_and_writable() -> None:
+    """256 KiB of tensor memory is one out-of-band buffer; the copy is writable."""
+    t = torch.arange(65536, dtype=torch.float32)
+    msg = transport.dumps({"x": t})
+    assert [b.nbytes for b in msg.buffers] == [t.numel() * 4]
+    assert len(msg.head) < 512
+    back = transport.copy({"x": t})["x"]
+    back += 1
+    assert torch.equal(back, t + 1)
+
+
+def test_tensors_torch_reduces_itself_still_cross() -> None:
+    """requires_grad, conjugate and sparse tensors take torch's own reduction."""
+    grad = torch.ones(3, requires_grad=True)
+    conj = torch.tensor([1 + 2j]).conj()
+    sparse = torch.eye(3).to_sparse()
+    g, c, s = transport.copy([grad, conj, sparse])
+    assert g.requires_grad and torch.equal(g.detach(), grad.detach())
+    assert c.is_conj() and torch.equal(c, conj)
+    assert torch.equal(s.to_dense(), torch.eye(3))
+
+
+def test_broadcast_array_keeps_values() -> None:
+    """An array with zero strides arrives with the same values and shape (compact)."""
+    a = np.broadcast_to(np.arange(3), (4, 3))
+    back = transport.copy(a)
+    assert back.shape == (4, 3) and (back == a).all()
+
+
+def test_memoryview_of_unsupported_format_is_a_pickling_error() -> None:
+    """A memoryview that cannot be rebuilt is refused when sent, not when received."""
+    arr = np.zeros(2, dtype=[("a", "i4"), ("b", "f8")])
+    with pytest.raises(pickle.PicklingError, match="memoryview"):
+        transport.dumps(memoryview(arr))
+
+
+def test_unpicklable_object_raises_on_dumps() -> None:
+    """Objects pickle refuses are refused the same way."""
+    with pytest.raises((TypeError, pickle.PicklingError, AttributeError)):
+        transport.dumps(lambda: 0)

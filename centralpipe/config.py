@@ -147,57 +147,19 @@ class DistributedConfig:
 
     @classmethod
     def from_env(cls) -> DistributedConfig:
-        """Rank and world size of this process.
+        """Rank and world size of this process, under any launcher.
 
-        An initialised ``torch.distributed`` process group comes first, then
-        torchrun's ``RANK``/``WORLD_SIZE`` (and ``LOCAL_RANK``), else rank 0 of 1.
-        When both a process group and the variables exist they must agree.
+        An initialised ``torch.distributed`` process group comes first; then
+        torchrun's ``RANK``/``WORLD_SIZE`` (and ``LOCAL_RANK``); then
+        ``WORLD_SIZE`` + ``LOCAL_RANK`` without ``RANK`` (Lightning's launcher)
+        where the rank is unambiguous (one node, or ``NODE_RANK`` with
+        ``LOCAL_WORLD_SIZE``); else rank 0 of 1. Variables that contradict the
+        group, or a rank that cannot be derived for sure, are a ``ConfigError``.
         """
-        env = _env_ranks()
-        local = _env_int("LOCAL_RANK")
-        group = _group_ranks()
-        if group is not None:
-            if env is not None and env != group:
-                msg = (
-                    f"torch.distributed says rank {group[0]} of {group[1]}, but RANK/WORLD_SIZE "
-                    f"say {env[0]} of {env[1]}; unset the variables or fix the launcher."
-                )
-                raise ConfigError(msg)
-            return cls(rank=group[0], world_size=group[1], local_rank=local)
-        if env is not None:
-            return cls(rank=env[0], world_size=env[1], local_rank=local)
-        return cls(rank=0, world_size=1, local_rank=local)
+        from centralpipe.launchers import ranks_from_env
 
-
-def _env_int(name: str) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        msg = f"environment variable {name} must be an int, got {raw!r}."
-        raise ConfigError(msg) from None
-
-
-def _env_ranks() -> tuple[int, int] | None:
-    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
-    if rank is None and world is None:
-        return None
-    if rank is None or world is None:
-        msg = f"set both RANK and WORLD_SIZE or neither, got RANK={rank} WORLD_SIZE={world}."
-        raise ConfigError(msg)
-    return rank, world
-
-
-def _group_ranks() -> tuple[int, int] | None:
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return None
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    return dist.get_rank(), dist.get_world_size()
+        rank, world_size, local = ranks_from_env()
+        return cls(rank=rank, world_size=world_size, local_rank=local)
 
 
 @attrs.frozen(kw_only=True)

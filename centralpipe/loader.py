@@ -24,6 +24,7 @@ from centralpipe.dispatch.protocol import MSG_STATES, InFlight
 from centralpipe.dispatch.reorder import Stream, StreamStats
 from centralpipe.dispatch.worker import WorkerSpec
 from centralpipe.errors import PipelineError
+from centralpipe.launchers import warn_if_duplicating
 from centralpipe.pipeline import Pipeline
 from centralpipe.stages import CentralNode, Count, RunContext, Shard, build_central, central_length
 from centralpipe.stages.sources import FilesSource
@@ -78,6 +79,7 @@ class Loader(Generic[T]):
         self._pipe = pipeline
         self._config = config
         dist = config.distributed
+        warn_if_duplicating(dist.world_size)
         self._ctx = RunContext(
             seed=config.seed, epoch=0, rank=dist.rank, world_size=dist.world_size
         )

@@ -201,7 +201,15 @@ def test_from_toml_syntax_error_names_the_file(tmp_path: Path) -> None:
         cp.LoaderConfig.from_toml(path)
 
 
-ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+ENV_NAMES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "SLURM_NNODES",
+)
 
 
 @pytest.mark.parametrize(
@@ -230,8 +238,8 @@ def test_from_env(
 @pytest.mark.parametrize(
     ("env", "match"),
     [
-        ({"RANK": "1"}, "set both RANK and WORLD_SIZE"),
-        ({"WORLD_SIZE": "2"}, "set both RANK and WORLD_SIZE"),
+        ({"RANK": "1"}, "RANK=1 is set but WORLD_SIZE is not"),
+        ({"WORLD_SIZE": "2"}, "neither RANK nor LOCAL_RANK"),
         ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK must be an int, got 'x'"),
         ({"RANK": "5", "WORLD_SIZE": "2"}, "`rank` must be in"),
     ],
@@ -240,7 +248,7 @@ def test_from_env(
 def test_from_env_rejects_inconsistent_env(
     monkeypatch: pytest.MonkeyPatch, env: dict[str, str], match: str
 ) -> None:
-    """Only one of RANK/WORLD_SIZE, a non-int, or rank >= world size is a `ConfigError`."""
+    """Half a RANK/WORLD_SIZE pair, a non-int, or rank >= world size is a `ConfigError`."""
     for name in ENV_NAMES:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
@@ -273,7 +281,7 @@ def test_from_env_prefers_the_process_group_and_rejects_conflicts(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+    for key in ENV_NAMES:
         monkeypatch.delenv(key, raising=False)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:

@@ -18,6 +18,7 @@ from centralpipe.errors import (
 from centralpipe.loader import Loader
 from centralpipe.pipeline import Pipeline
 from centralpipe.progress import progress
+from centralpipe.stages.totals import Total
 
 __all__ = [
     "CentralpipeError",
@@ -28,6 +29,7 @@ __all__ = [
     "LoaderConfig",
     "Pipeline",
     "PipelineError",
+    "Total",
     "WorkerConfig",
     "WorkerError",
     "progress",

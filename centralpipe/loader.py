@@ -26,8 +26,16 @@ from centralpipe.dispatch.worker import WorkerSpec
 from centralpipe.errors import PipelineError
 from centralpipe.launchers import warn_if_duplicating
 from centralpipe.pipeline import Pipeline
-from centralpipe.stages import CentralNode, Count, RunContext, Shard, build_central, central_length
+from centralpipe.stages import (
+    CentralNode,
+    Count,
+    RunContext,
+    Shard,
+    all_nodes,
+    build_central,
+)
 from centralpipe.stages.sources import FilesSource
+from centralpipe.stages.totals import Total, chain_totals, first_unknown
 
 __all__ = ["Loader"]
 
@@ -84,7 +92,8 @@ class Loader(Generic[T]):
             seed=config.seed, epoch=0, rank=dist.rank, world_size=dist.world_size
         )
         self._nodes = build_central(pipeline.central_stages, self._ctx)
-        self._by_name = {node.name: node for node in self._nodes}
+        # Stages inside a mix are queried by their qualified names (mix/source/stage).
+        self._by_name = {node.name: node for node in all_nodes(self._nodes)}
         for node in self._nodes:
             if isinstance(node, FilesSource):
                 node.prepare()
@@ -224,27 +233,44 @@ class Loader(Generic[T]):
             self._res.pool = pool
         return self._res.pool
 
+    def total(self, stage: str | None = None) -> Total | None:
+        """Items one whole epoch yields, known without iterating: a
+        :class:`~centralpipe.Total` (``items``, and ``exact=False`` when it is
+        only an upper bound, e.g. after a ``filter``), or ``None`` when unknown.
+
+        ``stage=None``: this loader's output (this rank's, after the worker
+        stages). A stage name: the items that stage yields (e.g. the ``count``
+        a progress bar shows, before ``shard()``: every rank's items). May count
+        the lines of ``read_lines`` files (once per file, cached)."""
+        totals = self._totals()
+        if stage is None:
+            return totals[self._pipe.stages[-1].name]
+        if stage not in totals:
+            known = ", ".join(repr(n) for n in totals)
+            raise KeyError(f"no stage named {stage!r}; stages: {known}.")
+        return totals[stage]
+
+    def _totals(self) -> dict[str, Total | None]:
+        return chain_totals(self._nodes, self._pipe.stages, self._ctx)
+
     def __len__(self) -> int:
-        n = central_length(self._nodes, self._pipe.central_stages, self._ctx)
-        changing = [s.name for s in self._pipe.worker_stages if s.kind in ("filter", "flat_map")]
-        if n is None or changing:
-            blocker = changing[0] if n is not None else self._length_blocker()
+        totals = self._totals()
+        total = totals[self._pipe.stages[-1].name]
+        if total is None:
+            blocker = first_unknown(totals, [s.name for s in self._pipe.stages])
             msg = (
                 f"the length of this pipeline is not known without iterating: stage "
                 f"'{blocker}' changes the number of items or has no length."
             )
             raise TypeError(msg)
-        return n
-
-    def _length_blocker(self) -> str:
-        keeps = ("map", "count", "shuffle", "batch", "shard")
-        for node, spec in zip(self._nodes, self._pipe.central_stages):
-            if spec.placement == "source":
-                if getattr(node, "length", lambda: None)() is None:
-                    return spec.name
-            elif spec.kind not in keeps:
-                return spec.name
-        return self._pipe.stages[0].name  # pragma: no cover
+        if not total.exact:
+            msg = (
+                f"the length of this pipeline is not known without iterating: stage "
+                f"'{total.bound_by}' may drop or merge items, so only an upper bound of "
+                f"{total.items} is known (loader.total())."
+            )
+            raise TypeError(msg)
+        return total.items
 
     # -- checkpoints -------------------------------------------------------------
 
@@ -353,6 +379,11 @@ class Loader(Generic[T]):
                 raise ValueError(
                     f"delivered=True is for count stages; '{name}' is a {node.kind} stage."
                 )
+            if node not in self._nodes:
+                raise ValueError(
+                    f"delivered=True is for count stages of the main chain; '{name}' is inside "
+                    "a mix, whose stages run ahead of delivery (query it live)."
+                )
             if run is not None:
                 stamp = run.delivered_stamp()
                 stamped = run.stamped_nodes()
@@ -374,7 +405,7 @@ class Loader(Generic[T]):
         """Per central stage items in/out and own time; ``"dispatch"``: buffer,
         skipped items, worker restarts, items per worker and waiting times."""
         out: dict[str, Any] = {}
-        for node in self._nodes:
+        for node in all_nodes(self._nodes):
             out[node.name] = {
                 "items_in": node.source_items(),
                 "items_out": node.items_out,

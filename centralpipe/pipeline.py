@@ -183,6 +183,27 @@ class Pipeline:
             raise PipelineError(msg)
         return cls((StageSpec("node", name, "source", options={"source": node}),))
 
+    @classmethod
+    def mix(
+        cls,
+        pipelines: Mapping[str, Pipeline],
+        /,
+        weights: Mapping[str, float],
+        *,
+        stop: Literal["first_exhausted", "all_exhausted", "never"] = "all_exhausted",
+        name: str = "mix",
+    ) -> Pipeline:
+        """Items drawn from several sub-pipelines (central stages only) with
+        probability proportional to ``weights``, seeded by ``(seed, epoch,
+        name)``. ``stop``: ``"first_exhausted"`` ends the epoch when a drawn
+        source ends; ``"all_exhausted"`` drops ended sources and renormalises;
+        ``"never"`` restarts an ended source (its next pass, re-seeded). A
+        sub-pipeline stage ``s`` of source ``key`` is named ``name/key/s``. A
+        checkpoint resumes under changed weights."""
+        from centralpipe.stages.mix import mix_spec
+
+        return cls((mix_spec(pipelines, weights, stop, name),))
+
     # -- central stages ------------------------------------------------------
 
     def read_lines(self, *, encoding: str = "utf-8", name: str | None = None) -> Pipeline:
@@ -397,7 +418,7 @@ class Pipeline:
 
     def fingerprint(self) -> list[list[str]]:
         """``[[name, kind], ...]`` of every stage: what a checkpoint must match."""
-        return [[s.name, s.kind] for s in self._specs]
+        return [[s.name, s.kind] for s in self._all_specs()]
 
     def describe(self) -> str:
         return "\n".join(s.describe() for s in self._specs)
@@ -407,6 +428,12 @@ class Pipeline:
         return f"Pipeline({inner})"
 
     # -- internals -------------------------------------------------------------
+
+    def _all_specs(self) -> list[StageSpec]:
+        """Every stage, with those inside ``mix`` sources after their mix."""
+        from centralpipe.stages.mix import inner_specs
+
+        return [x for s in self._specs for x in (s, *inner_specs(s))]
 
     def _dispatch_index(self) -> int | None:
         for i, spec in enumerate(self._specs):
@@ -440,7 +467,7 @@ class Pipeline:
             raise PipelineError(msg)
         if fn is not None or kind in ("map", "filter", "flat_map"):
             _check_callable(fn, "the function", stage)
-        taken = {s.name for s in self._specs}
+        taken = {s.name for s in self._all_specs()}
         if stage in taken:
             msg = f"stage name '{stage}' is already used in this pipeline; pass a unique name=."
             raise PipelineError(msg)

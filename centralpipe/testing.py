@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import islice
 from typing import Any
 
 import torch
@@ -81,9 +82,13 @@ def _default_ks(n: int) -> list[int]:
     return sorted(spread | {0, 1, n - 1, n})
 
 
-def _run_epochs(pipeline: Pipeline, config: LoaderConfig | None, epochs: int) -> list[Any]:
+def _run_epochs(
+    pipeline: Pipeline, config: LoaderConfig | None, epochs: int, max_items: int | None
+) -> list[Any]:
     loader: Loader[Any]
     with Loader(pipeline, config) as loader:
+        if max_items is not None:
+            return list(islice(loader, max_items))
         out: list[Any] = []
         for _ in range(epochs):
             out.extend(loader)
@@ -128,6 +133,7 @@ def assert_resumes_exactly(
     resume_config: LoaderConfig | None = None,
     ks: Iterable[int] | None = None,
     epochs: int = 1,
+    max_items: int | None = None,
 ) -> list[Any]:
     """Check that resuming from a checkpoint at any ``k`` loses and repeats nothing.
 
@@ -146,6 +152,8 @@ def assert_resumes_exactly(
         ks: the checkpoint positions, counted in items across epochs; default
             every ``k`` in ``0..len(full)`` (a spread of about 60 above 200 items).
         epochs: how many consecutive epochs the run covers.
+        max_items: compare only the first ``max_items`` items of one epoch
+            (for endless pipelines, e.g. ``Pipeline.mix(..., stop="never")``).
 
     Returns:
         ``full``, the uninterrupted output, for further checks.
@@ -156,9 +164,11 @@ def assert_resumes_exactly(
     """
     if epochs < 1:
         raise ValueError(f"`epochs` must be >= 1, got {epochs}.")
+    if max_items is not None and (max_items < 0 or epochs != 1):
+        raise ValueError(f"`max_items` must be >= 0 and used with epochs=1, got {max_items}.")
     if resume_config is None:
         resume_config = config
-    full = _run_epochs(pipeline, config, epochs)
+    full = _run_epochs(pipeline, config, epochs, max_items)
     n = len(full)
     for k in _default_ks(n) if ks is None else ks:
         if not 0 <= k <= n:
@@ -170,9 +180,12 @@ def assert_resumes_exactly(
             state = _torch_roundtrip(loader.state_dict())
         with Loader(pipeline, resume_config) as resumed:
             resumed.load_state_dict(state)
-            rest: list[Any] = list(resumed)
-            while resumed.epoch < epochs:
-                rest.extend(resumed)
+            if max_items is not None:
+                rest: list[Any] = list(islice(resumed, max_items - k))
+            else:
+                rest = list(resumed)
+                while resumed.epoch < epochs:
+                    rest.extend(resumed)
         got = head + rest
         i = _first_difference(full, got)
         if i is not None:

@@ -17,6 +17,7 @@ PUBLIC_NAMES = [
     "LoaderConfig",
     "Pipeline",
     "PipelineError",
+    "Total",
     "WorkerConfig",
     "WorkerError",
     "progress",

@@ -1,8 +1,8 @@
 """Central stages: one ``torchdata.nodes.BaseNode`` per stage spec.
 
 :func:`build_central` turns the central part of a plan into a chain of nodes
-sharing one :class:`RunContext`; :func:`central_length` says how many items the
-chain yields per epoch when that is known without iterating.
+sharing one :class:`RunContext`; :mod:`centralpipe.stages.totals` says how many
+items each stage yields per epoch when that is known without iterating.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from centralpipe.stages.base import SOURCE_KEY, CentralNode, RunContext, add_sta
 from centralpipe.stages.batch import Batch, BucketByMaxTokens
 from centralpipe.stages.count import Count
 from centralpipe.stages.files import ReadLines
+from centralpipe.stages.mix import Mix
 from centralpipe.stages.pack import Pack
-from centralpipe.stages.shard import Shard, shard_length
+from centralpipe.stages.shard import Shard
 from centralpipe.stages.shuffle import Shuffle
 from centralpipe.stages.sources import DatasetSource, FilesSource, IterableSource, NodeSource
 from centralpipe.stages.transform import Filter, FlatMap, Map
@@ -29,8 +30,8 @@ __all__ = [
     "RunContext",
     "Shard",
     "add_stage_note",
+    "all_nodes",
     "build_central",
-    "central_length",
 ]
 
 
@@ -65,6 +66,8 @@ def _build_one(
         return DatasetSource(o["source"], name=name, ctx=ctx)
     if spec.kind == "node":
         return NodeSource(o["source"], name=name, ctx=ctx)
+    if spec.kind == "mix":
+        return Mix(o["pipelines"], o["weights"], o["stop"], build_central, name=name, ctx=ctx)
     if spec.kind == "files":
         return FilesSource(glob=o.get("glob"), paths=o.get("paths"), name=name, ctx=ctx)
     assert source is not None
@@ -99,28 +102,11 @@ def build_central(specs: Sequence[StageSpec], ctx: RunContext) -> list[CentralNo
     return nodes
 
 
-def central_length(
-    nodes: Sequence[CentralNode[Any]], specs: Sequence[StageSpec], ctx: RunContext
-) -> int | None:
-    """Items the chain yields per epoch, or ``None`` when only iterating would tell."""
-    n: int | None = None
-    for node, spec in zip(nodes, specs):
-        kind = spec.kind
-        if kind in ("iterable", "dataset", "files"):
-            n = node.length()
-        elif kind in ("map", "count", "shuffle"):
-            pass
-        elif kind == "batch":
-            size, drop = spec.options["batch_size"], spec.options["drop_last"]
-            n = None if n is None else (n // size if drop else -(-n // size))
-        elif kind == "shard":
-            n = (
-                None
-                if n is None
-                else shard_length(n, spec.options["equalize"], ctx.rank, ctx.world_size)
-            )
-        else:
-            n = None
-        if n is None and kind not in ("iterable", "dataset", "files"):
-            return None
-    return n
+def all_nodes(nodes: Sequence[CentralNode[Any]]) -> list[CentralNode[Any]]:
+    """``nodes`` with the stages inside ``mix`` sources after their mix."""
+    out: list[CentralNode[Any]] = []
+    for node in nodes:
+        out.append(node)
+        if isinstance(node, Mix):
+            out.extend(node.inner_nodes())
+    return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from collections.abc import Mapping
 from typing import IO, Any
 
@@ -22,10 +23,40 @@ from centralpipe.stages.base import CentralNode, RunContext
 from centralpipe.stages.sources import FilesSource
 from centralpipe.validators import FieldError, checked, int_in
 
-__all__ = ["ReadLines", "ReadLinesState"]
+__all__ = ["ReadLines", "ReadLinesState", "count_lines"]
 
 PATH_KEY = "path"
 OFFSET_KEY = "offset"
+COUNT_CHUNK_BYTES = 1 << 20
+
+# realpath -> (size, mtime_ns, lines): counts stay valid while both are unchanged.
+_line_counts: dict[str, tuple[int, int, int]] = {}
+_line_counts_lock = threading.Lock()
+
+
+def count_lines(path: str | os.PathLike[str]) -> int:
+    """The number of lines ``read_lines`` yields for ``path``: its ``\\n`` bytes,
+    plus one for a last line without ``\\n``. Counted over the raw bytes in C
+    (``bytes.count``), nothing decoded; cached per file by size and mtime."""
+    key = os.path.realpath(path)
+    before = os.stat(key)
+    stamp = (before.st_size, before.st_mtime_ns)
+    with _line_counts_lock:
+        cached = _line_counts.get(key)
+    if cached is not None and cached[:2] == stamp:
+        return cached[2]
+    lines, last = 0, b""
+    with open(key, "rb") as f:
+        while chunk := f.read(COUNT_CHUNK_BYTES):
+            lines += chunk.count(b"\n")
+            last = chunk[-1:]
+    if last and last != b"\n":
+        lines += 1
+    after = os.stat(key)
+    if (after.st_size, after.st_mtime_ns) == stamp:  # not written to while counting
+        with _line_counts_lock:
+            _line_counts[key] = (*stamp, lines)
+    return lines
 
 
 @attrs.frozen(kw_only=True)

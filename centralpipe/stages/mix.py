@@ -1,0 +1,354 @@
+"""``mix``: a source that draws from several sub-pipelines by weight.
+
+Each step draws a source with probability proportional to its weight, from a
+``random.Random`` seeded by ``(seed, epoch, stage name)``, and yields that
+source's next item. ``stop`` says what happens when a drawn source ends:
+
+- ``"first_exhausted"``: the epoch ends;
+- ``"all_exhausted"``: the source leaves the draw (the others' weights are
+  renormalised); the epoch ends when every source with weight > 0 has ended;
+- ``"never"``: the source starts its next *pass* (its stages reset, seeded by
+  ``(seed, pass)`` so its shuffles differ per pass) and yields from it; the
+  epoch never ends.
+
+Naming: a sub-pipeline's stages keep their names, qualified by the mix and
+the source: stage ``tok`` of source ``en`` in mix ``mix`` is ``mix/en/tok``,
+for queries, metrics, errors and the checkpoint. Qualified names are unique
+within the whole pipeline (the builder refuses a clash).
+
+State: the sampler's generator, items drawn per source this epoch, each
+source's pass, the ended sources, and every sub-pipeline's stage states
+(``{"sources": {key: {qualified name: state}}}``). The weights are
+configuration, not state: a checkpoint resumes under new weights, every source
+at its position, the new weights applying from the next draw.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import random
+from collections.abc import Callable, Mapping, Sequence
+from numbers import Real
+from typing import Any
+
+import attrs
+
+from centralpipe.errors import CheckpointError, PipelineError
+from centralpipe.pipeline import Pipeline, StageSpec
+from centralpipe.seeding import derive_seed
+from centralpipe.stages.base import CentralNode, RunContext
+
+__all__ = ["STOP_MODES", "Mix", "mix_spec"]
+
+STOP_MODES = ("first_exhausted", "all_exhausted", "never")
+#: Kinds a sub-pipeline may not hold: it would split the stream before mixing.
+REFUSED_KINDS = ("shard",)
+
+RNG_KEY = "rng"
+DRAWN_KEY = "drawn"
+PASSES_KEY = "passes"
+EXHAUSTED_KEY = "exhausted"
+DONE_KEY = "done"
+STOP_KEY = "stop"
+SOURCES_KEY = "sources"
+
+Builder = Callable[[Sequence[StageSpec], RunContext], list[CentralNode[Any]]]
+
+
+# -- building the spec ------------------------------------------------------------------
+
+
+def _qualify(spec: StageSpec, prefix: str) -> StageSpec:
+    options = spec.options
+    if spec.kind == "mix":
+        options = {
+            **options,
+            "pipelines": {
+                key: Pipeline(tuple(_qualify(s, prefix) for s in pipe.stages))
+                for key, pipe in options["pipelines"].items()
+            },
+        }
+    return attrs.evolve(spec, name=prefix + spec.name, options=options)
+
+
+def check_weights(weights: Any, keys: Sequence[str], name: str) -> dict[str, float]:
+    """Weights as floats in ``keys`` order; ``PipelineError`` naming what is wrong."""
+    if not isinstance(weights, Mapping):
+        msg = (
+            f"mix '{name}': `weights` must be a dict of source name -> weight, "
+            f"got {type(weights).__name__}."
+        )
+        raise PipelineError(msg)
+    missing = [k for k in keys if k not in weights]
+    extra = [k for k in weights if k not in keys]
+    if missing or extra:
+        msg = (
+            f"mix '{name}': `weights` must have one entry per source {list(keys)}; "
+            f"missing {missing}, unknown {extra}."
+        )
+        raise PipelineError(msg)
+    out: dict[str, float] = {}
+    for key in keys:
+        w = weights[key]
+        if not isinstance(w, Real) or isinstance(w, bool) or not math.isfinite(w) or w < 0:
+            msg = (
+                f"mix '{name}': the weight of source '{key}' must be a finite number >= 0, "
+                f"got {w!r}."
+            )
+            raise PipelineError(msg)
+        out[key] = float(w)
+    if not any(out.values()):
+        msg = f"mix '{name}': at least one weight must be > 0, got {out}."
+        raise PipelineError(msg)
+    return out
+
+
+def mix_spec(pipelines: Any, weights: Any, stop: Any, name: Any) -> StageSpec:
+    """The validated ``mix`` source spec; see :meth:`Pipeline.mix`."""
+    if not isinstance(name, str) or not name:
+        raise PipelineError(f"a stage name must be a non-empty str, got {name!r}.")
+    if not isinstance(pipelines, Mapping) or not pipelines:
+        msg = (
+            f"mix '{name}': `pipelines` must be a non-empty dict of source name -> Pipeline, "
+            f"got {pipelines!r:.80}."
+        )
+        raise PipelineError(msg)
+    if stop not in STOP_MODES:
+        raise PipelineError(f"mix '{name}': `stop` must be one of {STOP_MODES}, got {stop!r}.")
+    keys = list(pipelines)
+    subs: dict[str, Pipeline] = {}
+    for key in keys:
+        pipe = pipelines[key]
+        if not isinstance(key, str) or not key or "/" in key:
+            msg = f"mix '{name}': source names must be non-empty str without '/', got {key!r}."
+            raise PipelineError(msg)
+        if not isinstance(pipe, Pipeline):
+            msg = f"mix '{name}': source '{key}' must be a Pipeline, got {type(pipe).__name__}."
+            raise PipelineError(msg)
+        for spec in pipe.stages:
+            if spec.placement in ("dispatch", "worker") or spec.options.get("parallel"):
+                msg = (
+                    f"mix '{name}': source '{key}' has stage '{spec.name}' ({spec.kind}, "
+                    f"{'parallel' if spec.options.get('parallel') else spec.placement}); "
+                    "sub-pipelines hold central stages only: call .dispatch() and parallel "
+                    "stages after Pipeline.mix(...)."
+                )
+                raise PipelineError(msg)
+            if spec.kind in REFUSED_KINDS:
+                msg = (
+                    f"mix '{name}': source '{key}' has a {spec.kind}() ('{spec.name}'); shard "
+                    "the mixed stream instead: Pipeline.mix(...).shard()."
+                )
+                raise PipelineError(msg)
+        prefix = f"{name}/{key}/"
+        subs[key] = Pipeline(tuple(_qualify(s, prefix) for s in pipe.stages))
+    return StageSpec(
+        "mix",
+        name,
+        "source",
+        options={"pipelines": subs, "weights": check_weights(weights, keys, name), "stop": stop},
+    )
+
+
+def inner_specs(spec: StageSpec) -> list[StageSpec]:
+    """Every stage inside a ``mix`` spec (nested mixes included), in order."""
+    out: list[StageSpec] = []
+    if spec.kind == "mix":
+        for pipe in spec.options["pipelines"].values():
+            for s in pipe.stages:
+                out.append(s)
+                out.extend(inner_specs(s))
+    return out
+
+
+# -- the node ---------------------------------------------------------------------------
+
+
+class Mix(CentralNode[Any]):
+    kind = "mix"
+
+    def __init__(
+        self,
+        pipelines: Mapping[str, Pipeline],
+        weights: Mapping[str, float],
+        stop: str,
+        build: Builder,
+        *,
+        name: str,
+        ctx: RunContext,
+    ) -> None:
+        super().__init__(None, name=name, ctx=ctx)
+        self._keys = list(pipelines)
+        self._weights = [float(weights[k]) for k in self._keys]
+        self._stop = stop
+        self._ctxs = [
+            RunContext(seed=ctx.seed, epoch=ctx.epoch, rank=ctx.rank, world_size=ctx.world_size)
+            for _ in self._keys
+        ]
+        self._chains = [build(pipelines[k].stages, c) for k, c in zip(self._keys, self._ctxs)]
+        for nodes in self._chains:
+            for node in nodes:
+                prepare = getattr(node, "prepare", None)
+                if callable(prepare):
+                    prepare()  # e.g. a glob matching nothing fails when the Loader starts
+        self._tips = [nodes[-1] for nodes in self._chains]
+        self._clear()
+
+    def _clear(self) -> None:
+        n = len(self._keys)
+        self._rng = random.Random(derive_seed(self.ctx.seed, self.ctx.epoch, self.name))
+        self._drawn = [0] * n
+        self._passes = [0] * n
+        self._exhausted = [False] * n
+        self._done = False
+        self._rebuild_draw()
+
+    def _rebuild_draw(self) -> None:
+        """The sources in the draw (weight > 0, not ended) and their cumulative weights."""
+        self._active = [i for i, w in enumerate(self._weights) if w > 0 and not self._exhausted[i]]
+        self._cum: list[float] = []
+        total = 0.0
+        for i in self._active:
+            total += self._weights[i]
+            self._cum.append(total)
+        self._total = total
+
+    def sources(self) -> list[tuple[str, float, list[CentralNode[Any]]]]:
+        """``(key, weight, stage nodes)`` of each source, in order."""
+        return list(zip(self._keys, self._weights, self._chains))
+
+    def inner_nodes(self) -> list[CentralNode[Any]]:
+        """Every stage node of the sub-pipelines, nested mixes expanded."""
+        out: list[CentralNode[Any]] = []
+        for nodes in self._chains:
+            for node in nodes:
+                out.append(node)
+                if isinstance(node, Mix):
+                    out.extend(node.inner_nodes())
+        return out
+
+    # -- iteration ------------------------------------------------------------------
+
+    def produce(self) -> Any:
+        tips, active, cum = self._tips, self._active, self._cum
+        while True:
+            if self._done or not active:
+                self._done = True
+                raise StopIteration
+            j = bisect.bisect_right(cum, self._rng.random() * self._total)
+            i = active[j] if j < len(active) else active[-1]  # float rounding at the top
+            try:
+                item = next(tips[i])
+            except StopIteration:
+                if self._stop == "first_exhausted":
+                    self._done = True
+                    raise
+                if self._stop == "all_exhausted":
+                    self._exhausted[i] = True
+                    self._rebuild_draw()
+                    active, cum = self._active, self._cum
+                    continue
+                item = self._next_pass(i)
+            self._drawn[i] += 1
+            return item
+
+    def _next_pass(self, i: int) -> Any:
+        self._passes[i] += 1
+        self._start_source(i, None)
+        try:
+            return next(self._tips[i])
+        except StopIteration:
+            msg = (
+                f"mix '{self.name}': source '{self._keys[i]}' yields no items in pass "
+                f"{self._passes[i]}; stop='never' needs every source with weight > 0 to "
+                "yield at least one item per pass."
+            )
+            raise PipelineError(msg) from None
+
+    def _start_source(self, i: int, flat: dict[str, Any] | None) -> None:
+        ctx = self._ctxs[i]
+        ctx.epoch = self.ctx.epoch
+        p = self._passes[i]
+        ctx.seed = self.ctx.seed if p == 0 else derive_seed(self.ctx.seed, "pass", p)
+        self._tips[i].load_flat(flat)
+
+    # -- state ------------------------------------------------------------------------
+
+    def own_state(self) -> dict[str, Any]:
+        version, internal, gauss = self._rng.getstate()
+        keys = self._keys
+        return {
+            RNG_KEY: [version, list(internal), gauss],
+            DRAWN_KEY: dict(zip(keys, self._drawn)),
+            PASSES_KEY: dict(zip(keys, self._passes)),
+            EXHAUSTED_KEY: [k for k, gone in zip(keys, self._exhausted) if gone],
+            DONE_KEY: self._done,
+            STOP_KEY: self._stop,
+            SOURCES_KEY: {
+                k: {node.name: node.own_state() for node in nodes}
+                for k, nodes in zip(keys, self._chains)
+            },
+        }
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        self._clear()
+        if state is None:
+            for i in range(len(self._keys)):
+                self._start_source(i, None)
+            return
+        if state[STOP_KEY] != self._stop:
+            msg = (
+                f"mix '{self.name}': the checkpoint was taken with stop={state[STOP_KEY]!r}, "
+                f"this pipeline has stop={self._stop!r}."
+            )
+            raise CheckpointError(msg)
+        sources = state[SOURCES_KEY]
+        if sorted(sources) != sorted(self._keys):
+            msg = (
+                f"mix '{self.name}': the checkpoint has sources {sorted(sources)}, this "
+                f"pipeline has {sorted(self._keys)}."
+            )
+            raise CheckpointError(msg)
+        version, internal, gauss = state[RNG_KEY]
+        self._rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
+        exhausted = set(state[EXHAUSTED_KEY])
+        for i, key in enumerate(self._keys):
+            self._drawn[i] = int(state[DRAWN_KEY][key])
+            self._passes[i] = int(state[PASSES_KEY][key])
+            self._exhausted[i] = key in exhausted
+            flat = sources[key]
+            names = [node.name for node in self._chains[i]]
+            if not isinstance(flat, Mapping) or sorted(flat) != sorted(names):
+                msg = (
+                    f"mix '{self.name}': the checkpoint's state of source '{key}' does not "
+                    f"hold its stages {names}."
+                )
+                raise CheckpointError(msg)
+            self._start_source(i, dict(flat))
+        self._done = bool(state[DONE_KEY])
+        self._rebuild_draw()
+
+    def query_state(self) -> dict[str, Any]:
+        keys = self._keys
+        return {
+            DRAWN_KEY: dict(zip(keys, self._drawn)),
+            PASSES_KEY: dict(zip(keys, self._passes)),
+            EXHAUSTED_KEY: [k for k, gone in zip(keys, self._exhausted) if gone],
+            "weights": dict(zip(keys, self._weights)),
+            STOP_KEY: self._stop,
+            DONE_KEY: self._done,
+        }
+
+    # -- metrics and lifetime -----------------------------------------------------------
+
+    def source_time_s(self) -> float:
+        return sum(tip.time_s for tip in self._tips)
+
+    def source_items(self) -> int | None:
+        return sum(tip.items_out for tip in self._tips)
+
+    def release(self) -> None:
+        for tip in self._tips:
+            tip.release()
+        super().release()

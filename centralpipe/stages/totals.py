@@ -1,0 +1,137 @@
+"""Known totals: how many items each stage yields per epoch, without iterating.
+
+:func:`chain_totals` walks a plan and gives each stage a :class:`Total` (an
+item count, *exact* or only an *upper bound*) or ``None`` (unknown). The rules:
+
+- sources with a length (sequences, datasets, file lists): exact;
+- ``read_lines`` after ``from_files`` (with only ``shuffle``/``count`` between):
+  the files' line counts, exact (counted over the raw bytes, cached per file by
+  size and mtime); a ``filter`` or ``shard`` of the paths makes it an upper
+  bound (the lines of every file);
+- ``map``, ``count``, ``shuffle``, ``collate``: unchanged; ``batch``: ceil (or
+  floor with ``drop_last``); ``shard``: this rank's share;
+- ``filter``, ``bucket_by_max_tokens``, ``pack``: at most their input (each
+  emitted list holds at least one item), so an upper bound;
+- ``mix``: ``all_exhausted`` the sum over sources with weight > 0 (exact when
+  theirs are); ``first_exhausted`` that sum as an upper bound; ``never``
+  endless, so unknown;
+- ``flat_map`` and sources without a length: unknown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from centralpipe.pipeline import StageSpec
+from centralpipe.stages.base import RunContext
+from centralpipe.stages.files import count_lines
+from centralpipe.stages.mix import Mix
+from centralpipe.stages.shard import shard_length
+from centralpipe.stages.sources import FilesSource
+
+__all__ = ["Total", "chain_totals", "first_unknown"]
+
+SAME = ("map", "count", "shuffle", "collate")
+AT_MOST_INPUT = ("filter", "bucket_by_max_tokens", "pack")
+#: Stages between from_files and read_lines that keep the set of paths.
+SAME_PATHS = ("count", "shuffle")
+SUBSET_PATHS = ("filter", "shard")
+
+
+@attrs.frozen
+class Total:
+    """Items per epoch: exactly ``items``, or at most ``items`` when not ``exact``.
+
+    ``bound_by`` names the first stage that made the count an upper bound
+    (``None`` when exact)."""
+
+    items: int
+    exact: bool = True
+    bound_by: str | None = None
+
+
+def _bound(total: Total, items: int, stage: str) -> Total:
+    return Total(items, False, total.bound_by if not total.exact else stage)
+
+
+def _read_lines_total(specs: Sequence[StageSpec], nodes: Sequence[Any], i: int) -> Total | None:
+    """Lines of the files feeding ``read_lines`` at index ``i``."""
+    bound_by = None
+    j = i - 1
+    while j > 0 and specs[j].kind in SAME_PATHS + SUBSET_PATHS:
+        if specs[j].kind in SUBSET_PATHS:
+            bound_by = specs[j].name
+        j -= 1
+    if not isinstance(nodes[j], FilesSource):
+        return None
+    lines = sum(count_lines(path) for path in nodes[j].paths)
+    return Total(lines, bound_by is None, bound_by)
+
+
+def _mix_total(spec: StageSpec, node: Mix) -> Total | None:
+    stop = spec.options["stop"]
+    if stop == "never":
+        return None
+    exact = stop == "all_exhausted"
+    items, bound_by = 0, None if exact else spec.name
+    for key, weight, nodes in node.sources():
+        if weight <= 0:
+            continue
+        sub = chain_totals(nodes, spec.options["pipelines"][key].stages, node.ctx)
+        total = sub[nodes[-1].name]
+        if total is None:
+            return None
+        items += total.items
+        if exact and not total.exact:
+            exact, bound_by = False, total.bound_by
+    return Total(items, exact, bound_by)
+
+
+def chain_totals(
+    nodes: Sequence[Any], specs: Sequence[StageSpec], ctx: RunContext
+) -> dict[str, Total | None]:
+    """Each stage's items per epoch (stages inside a ``mix`` included, by their
+    qualified names); worker stages may follow the central ones in ``specs``
+    with no node (``nodes`` shorter than ``specs``)."""
+    out: dict[str, Total | None] = {}
+    total: Total | None = None
+    for i, spec in enumerate(specs):
+        node = nodes[i] if i < len(nodes) else None
+        kind, name = spec.kind, spec.name
+        if spec.placement == "source":
+            if isinstance(node, Mix):
+                for inner_key, _, inner_nodes in node.sources():
+                    inner_specs = spec.options["pipelines"][inner_key].stages
+                    out.update(chain_totals(inner_nodes, inner_specs, node.ctx))
+                total = _mix_total(spec, node)
+            else:
+                length = getattr(node, "length", None)
+                n = length() if callable(length) else None
+                total = None if n is None else Total(int(n))
+        elif kind == "dispatch" or total is None:
+            pass
+        elif kind == "read_lines":
+            total = _read_lines_total(specs, nodes, i)
+        elif kind in SAME:
+            pass
+        elif kind in AT_MOST_INPUT:
+            total = _bound(total, total.items, name)
+        elif kind == "batch":
+            size, drop = spec.options["batch_size"], spec.options["drop_last"]
+            n = total.items // size if drop else -(-total.items // size)
+            total = attrs.evolve(total, items=n)
+        elif kind == "shard":
+            n = shard_length(total.items, spec.options["equalize"], ctx.rank, ctx.world_size)
+            total = attrs.evolve(total, items=n)
+        else:  # flat_map, and kinds without a rule
+            total = None
+        out[name] = total
+    return out
+
+
+def first_unknown(totals: dict[str, Total | None], names: Sequence[str]) -> str | None:
+    """The first of ``names`` whose total is unknown."""
+    return next((name for name in names if totals.get(name) is None), None)

@@ -1,0 +1,171 @@
+"""Known totals: line counts of ``read_lines`` (fast, cached), ``loader.total()``
+exact or upper bound per stage, and ``len()``."""
+
+from __future__ import annotations
+
+import builtins
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import centralpipe as cp
+from centralpipe.stages import files as files_module
+from centralpipe.stages.files import count_lines
+from centralpipe.testing import collect
+from tests._configs import loader_config
+
+CORPUS_GLOB = str(Path(__file__).resolve().parent.parent / "examples" / "data" / "*.txt")
+
+
+def _lines(paths: list[str] | str) -> list[str]:
+    with cp.Loader(cp.Pipeline.from_files(paths).read_lines()) as loader:
+        return collect(loader)
+
+
+def test_count_lines_matches_read_lines_on_edge_cases(
+    tmp_corpus: list[str], tmp_path: Path
+) -> None:
+    """Empty files, an unterminated last line, CRLF and blank lines count as read_lines reads."""
+    extra = {"only_newline.txt": b"\n", "two_blank.txt": b"\n\n", "cr_only.txt": b"a\rb\r"}
+    paths = list(tmp_corpus)
+    for name, data in extra.items():
+        (tmp_path / name).write_bytes(data)
+        paths.append(str(tmp_path / name))
+    for path in paths:
+        assert count_lines(path) == len(_lines([path])), path
+    with cp.Loader(cp.Pipeline.from_files(paths).read_lines()) as loader:
+        assert len(loader) == len(collect(loader))
+
+
+def test_count_lines_is_cached_by_size_and_mtime(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second count opens nothing; a changed file (size or mtime) is counted again."""
+    path = tmp_path / "a.txt"
+    path.write_bytes(b"1\n2\n3\n")
+    assert count_lines(path) == 3
+    opened: list[Any] = []
+    real_open = builtins.open
+
+    def spy(file: Any, *args: Any, **kwargs: Any) -> Any:
+        opened.append(file)
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", spy)
+    assert count_lines(path) == 3 and opened == []
+    path.write_bytes(b"1\n2\n3\n4")  # size changes
+    assert count_lines(path) == 4 and len(opened) == 1
+    stat = path.stat()
+    path.write_bytes(b"1\n2\n3\n\n")  # same size, later mtime
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert count_lines(path) == 4 and len(opened) == 2
+    assert count_lines(str(path)) == 4 and len(opened) == 2  # str and Path share the cache
+
+
+def test_count_lines_reads_bytes_in_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files larger than one chunk count right, including a line split across chunks."""
+    monkeypatch.setattr(files_module, "COUNT_CHUNK_BYTES", 7)
+    path = tmp_path / "big.txt"
+    text = "".join(f"line {i}\n" for i in range(100)) + "tail"
+    path.write_text(text)
+    assert count_lines(path) == 101 == len(_lines([str(path)]))
+
+
+def test_len_of_line_level_pipelines() -> None:
+    """read_lines after from_files has a length; map, batch and shard keep it known."""
+    n = len(_lines(CORPUS_GLOB))
+    base = cp.Pipeline.from_files(CORPUS_GLOB).read_lines()
+    with cp.Loader(base.map(str.upper)) as loader:
+        assert len(loader) == n and loader.total() == cp.Total(n)
+    with cp.Loader(cp.Pipeline.from_files(CORPUS_GLOB).shuffle(2).read_lines()) as loader:
+        assert len(loader) == n  # shuffled files: the same lines
+    with cp.Loader(base.batch(64).shard(), loader_config(rank=1, world_size=3)) as loader:
+        batches = -(-n // 64)
+        assert len(loader) == len(collect(loader)) == len(range(1, batches, 3))
+
+
+def test_upper_bounds_are_marked_and_len_refuses_them() -> None:
+    """After a filter (or bucket, pack) the total is an upper bound naming the stage."""
+    n = len(_lines(CORPUS_GLOB))
+    pipe = (
+        cp.Pipeline.from_files(CORPUS_GLOB)
+        .read_lines(name="lines")
+        .map(str.split)
+        .filter(bool, name="non_blank")
+        .count("pre_shard")
+        .shard()
+        .dispatch()
+        .map(len)
+    )
+    with cp.Loader(pipe, loader_config(world_size=2)) as loader:
+        assert loader.total("lines") == cp.Total(n)
+        assert loader.total("pre_shard") == cp.Total(n, exact=False, bound_by="non_blank")
+        assert loader.total() == cp.Total(-(-n // 2), exact=False, bound_by="non_blank")
+        with pytest.raises(TypeError, match="upper bound of") as info:
+            len(loader)
+        assert "'non_blank'" in str(info.value)
+        delivered = len(collect(loader))
+        assert delivered <= loader.total().items  # type: ignore[union-attr]
+    words = cp.Pipeline.from_files(CORPUS_GLOB).read_lines().map(str.split)
+    for built in (words.bucket_by_max_tokens(64), words.pack(64, oversize="drop")):
+        with cp.Loader(built) as loader:
+            total = loader.total()
+            assert total is not None and not total.exact and total.items == n
+
+
+def test_paths_filtered_before_read_lines_give_an_upper_bound(tmp_corpus: list[str]) -> None:
+    """A filter or shard of the paths makes the line count an upper bound."""
+    n = sum(count_lines(p) for p in tmp_corpus)
+    pipe = cp.Pipeline.from_files(tmp_corpus).filter(lambda p: "empty" not in p, name="f")
+    with cp.Loader(pipe.read_lines()) as loader:
+        assert loader.total() == cp.Total(n, exact=False, bound_by="f")
+    with cp.Loader(cp.Pipeline.from_files(tmp_corpus).map(str).read_lines()) as loader:
+        assert loader.total() is None  # a map may change the paths
+        with pytest.raises(TypeError, match="stage 'read_lines_2'"):
+            len(loader)
+
+
+def test_progress_bar_with_a_known_total() -> None:
+    """progress() over a count of lines uses total() and ends exactly at it."""
+    pipe = cp.Pipeline.from_files(CORPUS_GLOB).read_lines().count("pre_shard").dispatch()
+    out = io.StringIO()
+    with cp.Loader(pipe) as loader:
+        total = loader.total("pre_shard")
+        assert total is not None and total.exact
+        for _ in cp.progress(loader, "pre_shard", total=total.items, file=out, mininterval=0):
+            pass
+        assert loader.query("pre_shard", delivered=True)["items"] == total.items
+    assert f"{total.items}/{total.items}" in out.getvalue()
+
+
+def test_mix_totals_per_stop_mode() -> None:
+    """all_exhausted: exact sum; first_exhausted: an upper bound; never: unknown."""
+    subs = {"a": cp.Pipeline.from_iterable(range(10)), "b": cp.Pipeline.from_iterable(range(4))}
+    subs["z"] = cp.Pipeline.from_iterable(lambda: iter(range(3)))  # no length, weight 0
+    weights = {"a": 1, "b": 1, "z": 0}
+    with cp.Loader(cp.Pipeline.mix(subs, weights)) as loader:
+        assert len(loader) == 14 == len(collect(loader))
+        assert loader.total("mix/a/source") == cp.Total(10)
+        assert loader.total("mix/z/source") is None
+    with cp.Loader(cp.Pipeline.mix(subs, weights, stop="first_exhausted", name="m")) as loader:
+        assert loader.total() == cp.Total(14, exact=False, bound_by="m")
+        assert len(collect(loader)) <= 14
+    with cp.Loader(cp.Pipeline.mix(subs, weights, stop="never")) as loader:
+        assert loader.total() is None
+        with pytest.raises(TypeError, match="stage 'mix'"):
+            len(loader)
+    with cp.Loader(cp.Pipeline.mix(subs, {"a": 1, "b": 1, "z": 1})) as loader:
+        assert loader.total() is None  # a drawn source without a length
+
+
+def test_total_of_unknown_stage_lists_the_stages() -> None:
+    """total() of an unknown name raises KeyError listing the stages."""
+    pipe = cp.Pipeline.from_iterable(range(5)).count("c").dispatch().filter(bool, name="w")
+    with cp.Loader(pipe) as loader:
+        assert loader.total("c") == cp.Total(5)
+        assert loader.total("w") == cp.Total(5, exact=False, bound_by="w")
+        with pytest.raises(KeyError, match="'c'"):
+            loader.total("nope")

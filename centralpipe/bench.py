@@ -38,12 +38,13 @@ import torchdata.nodes as tn
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 import centralpipe as cp
+from centralpipe import bench_stages
 from centralpipe.config import START_METHODS
 
 __all__ = ["add_arguments", "main", "run"]
 
 WORKLOADS = ("tiny", "cpu", "tensor")
-SECTIONS = (*WORKLOADS, "state")
+SECTIONS = (*WORKLOADS, "state", "stages")
 #: Start method of the DataLoader and ParallelMapper workers.
 PEER_START_METHOD = "fork"
 #: Items per tensor: 65536 float32 = 256 KiB.
@@ -386,6 +387,7 @@ class Results:
     # (workload, workers) -> contender -> Timing
     cells: dict[tuple[str, int], dict[str, Timing]] = field(default_factory=dict)
     state: dict[str, Any] = field(default_factory=dict)
+    stages: dict[str, Any] = field(default_factory=dict)
     elapsed_s: float = 0.0
     repeat: int = 1
     retries: int = 1
@@ -469,6 +471,9 @@ def run(
                 _log(f"{w.name}, {k} worker(s): other processes used {others:.0%}; measuring again")
     if "state" in only:
         _state_section(res, scale, start_method)
+    if "stages" in only:
+        _log("stages: mix and pack, main-process cost per item")
+        res.stages = bench_stages.measure(scale)
     res.elapsed_s = time.perf_counter() - started
     res.others = meter.others(run_start)
     return res
@@ -637,6 +642,7 @@ def report(res: Results, *, argv: Sequence[str] = ()) -> str:
             f"| none | {_rate(q.rate)} | 1.00 |",
             f"| every {st['tiny_every']:,} items | {_rate(c.rate)} | {c.rate / q.rate:.2f} |",
         ]
+    lines += bench_stages.report_lines(res.stages)
     targets = _targets(res)
     if targets:
         lines += ["", "## Targets", "", "| target | measured | met |", "|---|---|---|"]
@@ -681,6 +687,7 @@ def _targets(res: Results) -> list[tuple[str, str, bool]]:
                     med < 1e-3,
                 )
             )
+    out += bench_stages.targets(res.stages)
     return out
 
 

@@ -66,12 +66,14 @@ def test_token_buckets_resumes_exactly(args: list[str], tmp_path: Path) -> None:
     ],
 )
 def test_packed_pretraining_reports_fill_and_resumes(args: list[str]) -> None:
-    """The packed pre-training example reports its fill rate and resumes exactly."""
+    """The mixed, packed pre-training example reports fill rate and totals, resumes
+    exactly, and resumes under new weights losing and repeating nothing."""
     proc = _run(EXAMPLES / "packed_pretraining.py", *args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "fill rate " in proc.stdout
+    assert "fill rate " in proc.stdout and "known totals: lines web 3600, books 4400" in proc.stdout
     (line,) = _resumed_lines(proc.stdout)
     assert line.startswith("resumed exactly: ") and f"({args[1]} workers)" in line
+    assert "every sequence of both corpora delivered once" in proc.stdout
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)

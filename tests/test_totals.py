@@ -169,3 +169,15 @@ def test_total_of_unknown_stage_lists_the_stages() -> None:
         assert loader.total("w") == cp.Total(5, exact=False, bound_by="w")
         with pytest.raises(KeyError, match="'c'"):
             loader.total("nope")
+
+
+def test_unreadable_file_makes_the_total_unknown(tmp_path: Path) -> None:
+    """A missing file: total() is None, len() a TypeError, reading names the stage."""
+    pipe = cp.Pipeline.from_files([str(tmp_path / "missing.txt")]).read_lines(name="lines")
+    with cp.Loader(pipe) as loader:
+        assert loader.total() is None
+        with pytest.raises(TypeError, match="stage 'lines'"):
+            len(loader)
+        with pytest.raises(FileNotFoundError) as info:
+            list(loader)  # list() asks len() first
+        assert "(raised in central stage 'lines')" in info.value.__notes__

@@ -67,7 +67,10 @@ def _read_lines_total(specs: Sequence[StageSpec], nodes: Sequence[Any], i: int) 
         j -= 1
     if not isinstance(nodes[j], FilesSource):
         return None
-    lines = sum(count_lines(path) for path in nodes[j].paths)
+    try:
+        lines = sum(count_lines(path) for path in nodes[j].paths)
+    except OSError:
+        return None  # unreadable now: reading will raise, naming the stage
     return Total(lines, bound_by is None, bound_by)
 
 

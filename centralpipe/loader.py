@@ -355,8 +355,15 @@ class Loader(Generic[T]):
             tip=self._boundary,
             stamped=[n for n in self._nodes if isinstance(n, (Count, Shard))],
             multi_output=any(s.kind == "flat_map" for s in self._pipe.worker_stages),
-            length=central_length(self._nodes, self._pipe.central_stages, self._ctx),
+            length=self._central_bound(),
         )
+
+    def _central_bound(self) -> int | None:
+        """At most how many items the central chain yields per epoch (files are
+        not read: a load must not count a corpus's lines)."""
+        specs = self._pipe.central_stages
+        total = chain_totals(self._nodes, specs, self._ctx, count_files=False)[specs[-1].name]
+        return None if total is None else total.items
 
     # -- queries -----------------------------------------------------------------
 

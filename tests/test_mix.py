@@ -268,7 +268,7 @@ def test_other_differences_are_still_refused() -> None:
             loader.load_state_dict(state)
             pytest.fail(what)
     pipe = cp.Pipeline.mix(subs, WEIGHTS, stop="never")
-    with cp.Loader(pipe) as loader, pytest.raises(cp.CheckpointError, match="stop="):
+    with cp.Loader(pipe) as loader, pytest.raises(cp.CheckpointError, match="stop must be 'never'"):
         loader.load_state_dict(state)
 
 
@@ -277,10 +277,19 @@ def test_damaged_mix_state_is_a_checkpoint_error() -> None:
     pipe = cp.Pipeline.mix(_three(shuffle=4), WEIGHTS, name="m")
     _, state = _checkpoint_after(pipe, 5)
     del state["central"]["m"]["sources"]["b"]["m/b/shuf"]
-    with cp.Loader(pipe) as loader, pytest.raises(cp.CheckpointError, match="source 'b'"):
+    with cp.Loader(pipe) as loader, pytest.raises(cp.CheckpointError, match=r"sources\['b'\]"):
         loader.load_state_dict(state)
     with cp.Loader(pipe) as loader:  # a failed load leaves the loader usable
         assert len(collect(loader)) == 60
+    _, state = _checkpoint_after(pipe, 5)
+    state["central"]["m"]["sources"]["b"]["m/b/shuf"]["buffer"] = list(range(99))
+    with cp.Loader(pipe) as loader, pytest.raises(cp.CheckpointError) as info:
+        loader.load_state_dict(state)
+    assert "sources['b']['m/b/shuf'].buffer" in str(info.value)
+    _, state = _checkpoint_after(pipe, 5)
+    state["central"]["m"]["drawn"]["a"] = -1
+    with cp.Loader(pipe) as loader, pytest.raises(cp.CheckpointError, match="drawn"):
+        loader.load_state_dict(state)
 
 
 # -- bad input ----------------------------------------------------------------------------

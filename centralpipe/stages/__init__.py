@@ -52,6 +52,8 @@ NODE_CLASSES: dict[str, type[CentralNode[Any]]] = {
         Shuffle,
         Count,
         Shard,
+        Mix,
+        Pack,
     )
 }
 

@@ -33,13 +33,15 @@ from numbers import Real
 from typing import Any
 
 import attrs
+from attrs import validators as v
 
-from centralpipe.errors import CheckpointError, PipelineError
+from centralpipe.errors import PipelineError
 from centralpipe.pipeline import Pipeline, StageSpec
 from centralpipe.seeding import derive_seed
 from centralpipe.stages.base import CentralNode, RunContext
+from centralpipe.validators import FieldError, checked, int_in, sequence_of
 
-__all__ = ["STOP_MODES", "Mix", "mix_spec"]
+__all__ = ["STOP_MODES", "Mix", "MixState", "mix_spec"]
 
 STOP_MODES = ("first_exhausted", "all_exhausted", "never")
 #: Kinds a sub-pipeline may not hold: it would split the stream before mixing.
@@ -54,6 +56,48 @@ STOP_KEY = "stop"
 SOURCES_KEY = "sources"
 
 Builder = Callable[[Sequence[StageSpec], RunContext], list[CentralNode[Any]]]
+_COUNT = int_in(0, 2**63)
+
+
+def _valid_rng(_inst: Any, _attr: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, (list, tuple)) or len(value) != 3:
+        raise TypeError(value)
+    version, internal, gauss = value
+    if not isinstance(internal, (list, tuple)) or not all(
+        isinstance(x, int) and not isinstance(x, bool) for x in internal
+    ):
+        raise TypeError(value)
+    random.Random().setstate((version, tuple(internal), gauss))  # raises if random cannot
+
+
+def _counts(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, Mapping):
+        raise TypeError(value)
+    for count in value.values():
+        _COUNT(_inst, attr, count)
+
+
+@attrs.frozen(kw_only=True)
+class MixState:
+    """The sampler, per-source counts, and each source's stage states by name."""
+
+    rng: list[Any] = attrs.field(
+        validator=checked(FieldError, "a random.Random state [version, [ints], gauss]", _valid_rng)
+    )
+    drawn: dict[str, int] = attrs.field(
+        validator=checked(FieldError, "a dict of source -> int >= 0", _counts)
+    )
+    passes: dict[str, int] = attrs.field(
+        validator=checked(FieldError, "a dict of source -> int >= 0", _counts)
+    )
+    exhausted: list[str] = attrs.field(
+        validator=checked(FieldError, "a list of source names", sequence_of(v.instance_of(str)))
+    )
+    done: bool = attrs.field(validator=checked(FieldError, "a bool", v.instance_of(bool)))
+    stop: str = attrs.field(validator=checked(FieldError, "a stop mode", v.in_(STOP_MODES)))
+    sources: dict[str, Any] = attrs.field(
+        validator=checked(FieldError, "a dict of source -> stage states", v.instance_of(Mapping))
+    )
 
 
 # -- building the spec ------------------------------------------------------------------
@@ -167,6 +211,7 @@ def inner_specs(spec: StageSpec) -> list[StageSpec]:
 
 class Mix(CentralNode[Any]):
     kind = "mix"
+    State = MixState
 
     def __init__(
         self,
@@ -297,19 +342,6 @@ class Mix(CentralNode[Any]):
             for i in range(len(self._keys)):
                 self._start_source(i, None)
             return
-        if state[STOP_KEY] != self._stop:
-            msg = (
-                f"mix '{self.name}': the checkpoint was taken with stop={state[STOP_KEY]!r}, "
-                f"this pipeline has stop={self._stop!r}."
-            )
-            raise CheckpointError(msg)
-        sources = state[SOURCES_KEY]
-        if sorted(sources) != sorted(self._keys):
-            msg = (
-                f"mix '{self.name}': the checkpoint has sources {sorted(sources)}, this "
-                f"pipeline has {sorted(self._keys)}."
-            )
-            raise CheckpointError(msg)
         version, internal, gauss = state[RNG_KEY]
         self._rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
         exhausted = set(state[EXHAUSTED_KEY])
@@ -317,17 +349,45 @@ class Mix(CentralNode[Any]):
             self._drawn[i] = int(state[DRAWN_KEY][key])
             self._passes[i] = int(state[PASSES_KEY][key])
             self._exhausted[i] = key in exhausted
-            flat = sources[key]
-            names = [node.name for node in self._chains[i]]
-            if not isinstance(flat, Mapping) or sorted(flat) != sorted(names):
-                msg = (
-                    f"mix '{self.name}': the checkpoint's state of source '{key}' does not "
-                    f"hold its stages {names}."
-                )
-                raise CheckpointError(msg)
-            self._start_source(i, dict(flat))
+            self._start_source(i, dict(state[SOURCES_KEY][key]))
         self._done = bool(state[DONE_KEY])
         self._rebuild_draw()
+
+    def check_state(self, state: MixState, states: Mapping[str, Any]) -> None:
+        from centralpipe import checkpoint  # the model checks each inner stage too
+
+        if state.stop != self._stop:
+            raise FieldError("stop", f"{self._stop!r} (this pipeline's stop mode)", state.stop)
+        keys = sorted(self._keys)
+        for field in (DRAWN_KEY, PASSES_KEY, SOURCES_KEY):
+            if sorted(getattr(state, field)) != keys:
+                raise FieldError(
+                    field, f"keyed by this mix's sources {keys}", getattr(state, field)
+                )
+        if not set(state.exhausted) <= set(keys):
+            raise FieldError(EXHAUSTED_KEY, f"a list of sources from {keys}", state.exhausted)
+        for key, nodes in zip(self._keys, self._chains):
+            flat = state.sources[key]
+            names = [node.name for node in nodes]
+            if not isinstance(flat, Mapping) or sorted(flat) != sorted(names):
+                got = sorted(flat) if isinstance(flat, Mapping) else flat
+                raise FieldError(f"sources['{key}']", f"the states of stages {names}", got)
+            inner: dict[str, Any] = {}
+            for node in nodes:
+                cls = node.State
+                raw = flat[node.name]
+                inner[node.name] = (
+                    raw if cls is None else checkpoint.structure_state(raw, cls, node.name)
+                )
+            for node in nodes:
+                try:
+                    node.check_state(inner[node.name], inner)
+                except FieldError as exc:
+                    field = f"sources['{key}']['{node.name}'].{exc.field}"
+                    raise FieldError(field, exc.expected, exc.value) from None
+
+    def max_items_out(self, state: MixState, bound_in: int | None) -> int | None:
+        return sum(state.drawn.values())
 
     def query_state(self) -> dict[str, Any]:
         keys = self._keys

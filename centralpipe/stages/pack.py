@@ -28,15 +28,18 @@ from __future__ import annotations
 import bisect
 import operator
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import attrs
+from attrs import validators as v
 from torchdata.nodes import BaseNode
 
-from centralpipe.errors import CheckpointError, PipelineError
+from centralpipe.errors import PipelineError
 from centralpipe.stages.base import CentralNode, RunContext
+from centralpipe.validators import FieldError, checked, int_in, sequence_of
 
-__all__ = ["STRATEGIES", "Pack"]
+__all__ = ["STRATEGIES", "Pack", "PackState"]
 
 STRATEGIES = ("first_fit", "best_fit")
 OVERSIZE = ("raise", "drop")
@@ -49,6 +52,30 @@ DRAINING_KEY = "draining"
 
 # An open group: [room left, items, first-fit slot].
 _ROOM, _ITEMS, _SLOT = 0, 1, 2
+_COUNT = int_in(0, 2**63)
+
+
+def _open_group(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise TypeError(value)
+    _COUNT(inst, attr, value[0])
+    if not isinstance(value[1], (list, tuple)) or not value[1]:
+        raise TypeError(value)
+
+
+@attrs.frozen(kw_only=True)
+class PackState:
+    """Open groups ``[[room, [items]], ...]`` oldest first, and this epoch's totals."""
+
+    groups: list[Any] = attrs.field(
+        validator=checked(
+            FieldError, "a list of [room, [items]] open groups", sequence_of(_open_group)
+        )
+    )
+    emitted: int = attrs.field(validator=checked(FieldError, "an int >= 0", _COUNT))
+    tokens: int = attrs.field(validator=checked(FieldError, "an int >= 0", _COUNT))
+    dropped: int = attrs.field(validator=checked(FieldError, "an int >= 0", _COUNT))
+    draining: bool = attrs.field(validator=checked(FieldError, "a bool", v.instance_of(bool)))
 
 
 class _FirstFitTree:
@@ -119,6 +146,7 @@ class _FirstFitTree:
 
 class Pack(CentralNode[list[Any]]):
     kind = "pack"
+    State = PackState
 
     def __init__(
         self,
@@ -278,23 +306,31 @@ class Pack(CentralNode[list[Any]]):
         if state is None:
             return
         for room, items in state[GROUPS_KEY]:
-            room, items = int(room), list(items)
-            if not items or not 0 < room <= self._max:
-                msg = (
-                    f"stage '{self.name}': the checkpoint holds an open group of "
-                    f"{len(items)} item(s) with {room} tokens of room, which max_tokens="
-                    f"{self._max} does not allow; was it taken with other pack() settings?"
-                )
-                raise CheckpointError(msg)
             gid = self._open()
             group = self._groups[gid]
-            group[_ITEMS] = items
+            group[_ITEMS] = list(items)
             self._held += len(items)
-            self._set_room(gid, group, self._max, room)
+            self._set_room(gid, group, self._max, int(room))
         self._emitted = int(state[EMITTED_KEY])
         self._tokens = int(state[TOKENS_KEY])
         self._dropped = int(state[DROPPED_KEY])
         self._draining = bool(state[DRAINING_KEY])
+
+    def check_state(self, state: PackState, states: Mapping[str, Any]) -> None:
+        for i, (room, _items) in enumerate(state.groups):
+            if not 0 < room <= self._max:
+                expected = f"room in 1..max_tokens={self._max} (a full group has left)"
+                raise FieldError(f"groups[{i}][0]", expected, room)
+        held = sum(len(items) for _, items in state.groups)
+        if held > self._buffer_size:
+            expected = f"at most buffer_size={self._buffer_size} items in open groups"
+            raise FieldError("groups", expected, f"{held} items")
+        if state.tokens > state.emitted * self._max:
+            expected = f"<= emitted * max_tokens = {state.emitted * self._max}"
+            raise FieldError("tokens", expected, state.tokens)
+
+    def max_items_out(self, state: PackState, bound_in: int | None) -> int | None:
+        return state.emitted
 
     def query_state(self) -> dict[str, Any]:
         capacity = self._emitted * self._max

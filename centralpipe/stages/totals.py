@@ -57,7 +57,9 @@ def _bound(total: Total, items: int, stage: str) -> Total:
     return Total(items, False, total.bound_by if not total.exact else stage)
 
 
-def _read_lines_total(specs: Sequence[StageSpec], nodes: Sequence[Any], i: int) -> Total | None:
+def _read_lines_total(
+    specs: Sequence[StageSpec], nodes: Sequence[Any], i: int, count_files: bool
+) -> Total | None:
     """Lines of the files feeding ``read_lines`` at index ``i``."""
     bound_by = None
     j = i - 1
@@ -65,7 +67,7 @@ def _read_lines_total(specs: Sequence[StageSpec], nodes: Sequence[Any], i: int) 
         if specs[j].kind in SUBSET_PATHS:
             bound_by = specs[j].name
         j -= 1
-    if not isinstance(nodes[j], FilesSource):
+    if not count_files or not isinstance(nodes[j], FilesSource):
         return None
     try:
         lines = sum(count_lines(path) for path in nodes[j].paths)
@@ -74,7 +76,7 @@ def _read_lines_total(specs: Sequence[StageSpec], nodes: Sequence[Any], i: int) 
     return Total(lines, bound_by is None, bound_by)
 
 
-def _mix_total(spec: StageSpec, node: Mix) -> Total | None:
+def _mix_total(spec: StageSpec, node: Mix, count_files: bool) -> Total | None:
     stop = spec.options["stop"]
     if stop == "never":
         return None
@@ -83,7 +85,7 @@ def _mix_total(spec: StageSpec, node: Mix) -> Total | None:
     for key, weight, nodes in node.sources():
         if weight <= 0:
             continue
-        sub = chain_totals(nodes, spec.options["pipelines"][key].stages, node.ctx)
+        sub = chain_totals(nodes, spec.options["pipelines"][key].stages, node.ctx, count_files)
         total = sub[nodes[-1].name]
         if total is None:
             return None
@@ -94,11 +96,12 @@ def _mix_total(spec: StageSpec, node: Mix) -> Total | None:
 
 
 def chain_totals(
-    nodes: Sequence[Any], specs: Sequence[StageSpec], ctx: RunContext
+    nodes: Sequence[Any], specs: Sequence[StageSpec], ctx: RunContext, count_files: bool = True
 ) -> dict[str, Total | None]:
     """Each stage's items per epoch (stages inside a ``mix`` included, by their
     qualified names); worker stages may follow the central ones in ``specs``
-    with no node (``nodes`` shorter than ``specs``)."""
+    with no node (``nodes`` shorter than ``specs``). ``count_files=False``
+    leaves ``read_lines`` unknown rather than counting lines."""
     out: dict[str, Total | None] = {}
     total: Total | None = None
     for i, spec in enumerate(specs):
@@ -108,8 +111,8 @@ def chain_totals(
             if isinstance(node, Mix):
                 for inner_key, _, inner_nodes in node.sources():
                     inner_specs = spec.options["pipelines"][inner_key].stages
-                    out.update(chain_totals(inner_nodes, inner_specs, node.ctx))
-                total = _mix_total(spec, node)
+                    out.update(chain_totals(inner_nodes, inner_specs, node.ctx, count_files))
+                total = _mix_total(spec, node, count_files)
             else:
                 length = getattr(node, "length", None)
                 n = length() if callable(length) else None
@@ -117,7 +120,7 @@ def chain_totals(
         elif kind == "dispatch" or total is None:
             pass
         elif kind == "read_lines":
-            total = _read_lines_total(specs, nodes, i)
+            total = _read_lines_total(specs, nodes, i, count_files)
         elif kind in SAME:
             pass
         elif kind in AT_MOST_INPUT:

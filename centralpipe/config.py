@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import os
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 import cattrs
+from attrs import validators as v
 
 from centralpipe.errors import ConfigError
+from centralpipe.validators import NUMBER, Validator, checked, int_in
 
 __all__ = ["DistributedConfig", "LoaderConfig", "WorkerConfig"]
 
@@ -28,56 +30,34 @@ ON_ERROR = ("raise", "skip")
 #: Spelling of ``buffer_size=None`` in formats without a null (TOML).
 UNLIMITED = "unlimited"
 
-_Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
+#: Seeds are mixed as 64-bit values (:mod:`centralpipe.seeding`): a seed of
+#: 2**64 or more would repeat the streams of a smaller one, so it is refused.
+SEED_END = 2**64
+
+# Field validators: attrs' own (instance_of, ge, gt, in_, optional) composed,
+# each raising a ConfigError that names the field (centralpipe.validators.checked).
 
 
-def _fail(attribute: attrs.Attribute[Any], value: object, expected: str) -> None:
-    msg = f"`{attribute.name}` must be {expected}, got {value!r}."
-    raise ConfigError(msg)
+def _int(minimum: int) -> Validator:
+    """An ``int`` (not a ``bool``) >= ``minimum``."""
+    return checked(ConfigError, f"an int >= {minimum}", int_in(minimum))
 
 
-def _int(minimum: int | None = None) -> _Validator:
-    """An ``int`` (not a ``bool``), at least ``minimum``."""
-
-    def check(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if not isinstance(value, int) or isinstance(value, bool):
-            _fail(attribute, value, "an int" + (f" >= {minimum}" if minimum is not None else ""))
-        if minimum is not None and value < minimum:
-            _fail(attribute, value, f">= {minimum}")
-
-    return check
+def _positive_number() -> Validator:
+    return checked(ConfigError, "a number > 0", NUMBER, v.gt(0))
 
 
-def _positive_number() -> _Validator:
-    def check(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-            _fail(attribute, value, "a number > 0")
-
-    return check
+def _choice(choices: tuple[str, ...]) -> Validator:
+    return checked(ConfigError, "one of " + ", ".join(repr(c) for c in choices), v.in_(choices))
 
 
-def _choice(choices: tuple[str, ...]) -> _Validator:
-    def check(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if value not in choices:
-            _fail(attribute, value, "one of " + ", ".join(repr(c) for c in choices))
-
-    return check
+def _optional(inner: Validator) -> Validator:
+    """``None`` or what ``inner`` accepts (``inner`` raises the ``ConfigError``)."""
+    return v.optional(inner)
 
 
-def _optional(inner: _Validator) -> _Validator:
-    def check(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if value is not None:
-            inner(inst, attribute, value)
-
-    return check
-
-
-def _instance(cls: type) -> _Validator:
-    def check(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if not isinstance(value, cls):
-            _fail(attribute, value, f"a {cls.__name__}")
-
-    return check
+def _instance(cls: type) -> Validator:
+    return checked(ConfigError, f"a {cls.__name__}", v.instance_of(cls))
 
 
 def _buffer_size(value: Any) -> Any:
@@ -164,13 +144,24 @@ class DistributedConfig:
 
 @attrs.frozen(kw_only=True)
 class LoaderConfig:
-    """Everything a :class:`~centralpipe.Loader` needs besides the pipeline."""
+    """Everything a :class:`~centralpipe.Loader` needs besides the pipeline.
+
+    Attributes:
+        workers: how the worker stages run (:class:`WorkerConfig`).
+        distributed: this process's rank and the world size.
+        seed: an int in ``[0, 2**64)``. Every random stream (``shuffle``,
+            ``map(..., with_rng=True)``) is derived from ``(seed, epoch, ...)``
+            mixed as 64-bit values, so each seed in that range gives its own
+            streams; a larger seed would repeat a smaller one's and is refused.
+    """
 
     workers: WorkerConfig = attrs.field(factory=WorkerConfig, validator=_instance(WorkerConfig))
     distributed: DistributedConfig = attrs.field(
         factory=DistributedConfig, validator=_instance(DistributedConfig)
     )
-    seed: int = attrs.field(default=0, validator=_int(0))
+    seed: int = attrs.field(
+        default=0, validator=checked(ConfigError, "an int in [0, 2**64)", int_in(0, SEED_END))
+    )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict of builtins; ``from_dict`` reverses it."""
@@ -207,6 +198,13 @@ class LoaderConfig:
                 data = tomllib.load(f)
             except tomllib.TOMLDecodeError as exc:
                 msg = f"{path}: not valid TOML: {exc}"
+                raise ConfigError(msg) from None
+            except UnicodeDecodeError as exc:
+                msg = (
+                    f"{path}: not valid TOML: TOML files are UTF-8, but byte {exc.start} "
+                    f"({exc.object[exc.start : exc.start + 1]!r}) is not: {exc.reason}; "
+                    "save the file as UTF-8."
+                )
                 raise ConfigError(msg) from None
         return cls.from_dict(data)
 

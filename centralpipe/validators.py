@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 from attrs import validators as v
 
-__all__ = ["INT", "NUMBER", "FieldError", "checked", "int_in", "sequence_of"]
+__all__ = ["INT", "NUMBER", "FieldError", "Validator", "checked", "int_in", "sequence_of"]
 
 Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 

@@ -189,8 +189,33 @@ def test_from_toml_invalid_value_names_the_field(tmp_path: Path) -> None:
     """A bad value in a TOML file raises `ConfigError` naming the field."""
     path = tmp_path / "loader.toml"
     path.write_text("[workers]\nnum_workers = -2\n")
-    with pytest.raises(cp.ConfigError, match="`num_workers` must be >= 0, got -2"):
+    with pytest.raises(cp.ConfigError, match="`num_workers` must be an int >= 0, got -2"):
         cp.LoaderConfig.from_toml(str(path))
+
+
+def test_from_toml_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
+    """A TOML file in another encoding raises `ConfigError` naming the file and the byte."""
+    path = tmp_path / "latin1.toml"
+    path.write_bytes("# caf\u00e9\nseed = 1\n".encode("latin-1"))
+    with pytest.raises(cp.ConfigError, match=r"latin1\.toml: not valid TOML: TOML files are UTF-8"):
+        cp.LoaderConfig.from_toml(str(path))
+
+
+@pytest.mark.parametrize("seed", [2**64, 2**64 + 3, 2**100], ids=["2**64", "2**64+3", "2**100"])
+def test_seed_beyond_64_bits_is_refused(seed: int) -> None:
+    """A seed that would repeat a smaller seed's streams (`2**64` mixes as 0) is refused."""
+    with pytest.raises(cp.ConfigError, match=r"`seed` must be an int in \[0, 2\*\*64\), got "):
+        cp.LoaderConfig(seed=seed)
+
+
+def test_largest_seed_gives_its_own_shuffle() -> None:
+    """`seed=2**64 - 1` is accepted and shuffles differently from `seed=0` and `seed=1`."""
+    pipe = cp.Pipeline.from_iterable(range(50)).shuffle(50)
+    orders = []
+    for seed in (0, 1, 2**64 - 1):
+        with cp.Loader(pipe, cp.LoaderConfig(seed=seed)) as loader:
+            orders.append(list(loader))
+    assert len({tuple(o) for o in orders}) == 3
 
 
 def test_from_toml_syntax_error_names_the_file(tmp_path: Path) -> None:

@@ -23,6 +23,8 @@ __all__ = ["Pipeline", "StageSpec"]
 
 Placement = Literal["source", "central", "dispatch", "worker"]
 EQUALIZE = (None, "drop_last", "pad")
+#: Every ASCII character: an encoding that writes them as ASCII bytes can be split on b"\n".
+_ASCII = "".join(map(chr, range(128)))
 
 
 @attrs.frozen(eq=False)
@@ -218,6 +220,27 @@ class Pipeline:
             codecs.lookup(encoding)
         except LookupError:
             raise PipelineError(f"stage '{stage}': unknown encoding {encoding!r}.") from None
+        try:
+            "".encode(encoding)
+        except LookupError:  # a codec such as "rot13" or "hex"
+            msg = f"stage '{stage}': {encoding!r} is not a text encoding (e.g. 'utf-8')."
+            raise PipelineError(msg) from None
+        try:
+            # utf-8-sig writes a BOM first and is otherwise UTF-8.
+            encoded = _ASCII.encode(encoding).removeprefix(codecs.BOM_UTF8)
+            ascii_compatible = encoded == _ASCII.encode("ascii")
+        except (UnicodeError, LookupError, TypeError):
+            ascii_compatible = False
+        if not ascii_compatible:
+            # Lines are found by splitting the bytes on b"\n", which in UTF-16/32
+            # (and EBCDIC, UTF-7, bytes-to-bytes codecs) is not a line end.
+            msg = (
+                f"stage '{stage}': read_lines needs an ASCII-compatible text encoding (it splits "
+                f"each file's bytes on b'\\n'), and {encoding!r} is not one. Convert the files "
+                "to UTF-8, or read whole files with .map(lambda p: open(p, "
+                f"encoding={encoding!r}).read().splitlines()) and .flat_map."
+            )
+            raise PipelineError(msg)
         return self._add("read_lines", name, "central", options={"encoding": encoding})
 
     def map(

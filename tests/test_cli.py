@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -136,6 +137,92 @@ def test_inspect_explains_a_file_without_a_checkpoint(
     assert "'weights'" in err
     assert main(["inspect", str(tmp_path / "missing.pt")]) == 1
     assert "no such file" in capsys.readouterr().err
+
+
+class Opaque:
+    """An item of a user's own class: a checkpoint holding it needs pickle to load."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+class _RunsCode:
+    """Unpickling this creates a file: what a crafted checkpoint could do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.marker,))
+
+
+def test_inspect_loads_with_weights_only_by_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A crafted file runs no code: the default load is `weights_only=True`, and the
+    refusal names `--unsafe-load`."""
+    marker = tmp_path / "ran"
+    sd = torch.load(_checkpoint(tmp_path), weights_only=True)
+    sd["in_flight"]["dispatch"]["items"] = [_RunsCode(marker)]
+    path = tmp_path / "crafted.pt"
+    torch.save(sd, path)
+    assert main(["inspect", str(path)]) == 1
+    assert not marker.exists()
+    assert "--unsafe-load" in capsys.readouterr().err
+
+
+def test_inspect_unsafe_load_reads_items_of_user_classes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--unsafe-load` reads a trusted checkpoint whose items are objects of user classes."""
+    pipe = cp.Pipeline.from_iterable([Opaque(i) for i in range(6)]).dispatch().map(id)
+    with cp.Loader[int](pipe, cp.LoaderConfig(workers=cp.WorkerConfig(chunk_size=3))) as loader:
+        next(iter(loader))
+        sd = loader.state_dict()
+    path = tmp_path / "trusted.pt"
+    torch.save(sd, path)
+    assert main(["inspect", str(path)]) == 1
+    capsys.readouterr()
+    assert main(["inspect", "--unsafe-load", str(path)]) == 0
+    assert "in-flight items at 'dispatch': 2" in capsys.readouterr().out
+
+
+def test_inspect_reports_a_damaged_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A damaged checkpoint is still summarised, and the damage is reported with exit 1."""
+    sd = torch.load(_checkpoint(tmp_path), weights_only=True)
+    sd["central"]["seen"]["items"] = -4
+    path = tmp_path / "damaged.pt"
+    torch.save(sd, path)
+    assert main(["inspect", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert "seen (count):" in captured.out
+    assert "central['seen'].items must be an int >= 0, got -4" in captured.err
+
+
+def test_inspect_exits_quietly_on_a_closed_pipe(tmp_path: Path) -> None:
+    """`inspect PATH | head` with the reader gone exits 0 without a traceback."""
+    path = _checkpoint(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "centralpipe", "inspect", str(path)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before anything is written
+    try:
+        err = proc.stderr.read().decode()
+        code = proc.wait(timeout=CLI_TIMEOUT_S)
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stderr.close()
+    assert code == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err
 
 
 def test_soak_passes_its_arguments_through(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -372,6 +372,20 @@ BAD_ARGS: dict[str, tuple[Callable[[], Any], str]] = {
         lambda: _src().read_lines(encoding="no-such-codec"),
         r"stage 'read_lines_1': unknown encoding 'no-such-codec'",
     ),
+    "read_lines-utf-16": (
+        lambda: _src().read_lines(encoding="utf-16"),
+        r"stage 'read_lines_1': read_lines needs an ASCII-compatible text encoding .* "
+        r"'utf-16' is not one",
+    ),
+    "read_lines-utf-32-be": (
+        lambda: _src().read_lines(encoding="utf-32-be"),
+        r"'utf-32-be' is not one",
+    ),
+    "read_lines-ebcdic": (lambda: _src().read_lines(encoding="cp037"), r"'cp037' is not one"),
+    "read_lines-not-text": (
+        lambda: _src().read_lines(encoding="rot13"),
+        r"stage 'read_lines_1': 'rot13' is not a text encoding",
+    ),
     "read_lines-encoding-type": (
         lambda: _src().read_lines(encoding=8, name="rl"),  # type: ignore[arg-type]
         r"stage 'rl': `encoding` must be a str",

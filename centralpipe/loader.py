@@ -193,6 +193,19 @@ class Loader(Generic[T]):
         self._res.run = run
         return run
 
+    def _set_next_epoch(self, epoch: int) -> None:
+        """Make the next pass start epoch ``epoch`` from its start, dropping a
+        pending checkpoint and the unread rest of the current epoch (as a new
+        pass drops it). For adapters of frameworks that count epochs themselves
+        (``centralpipe.lightning``)."""
+        self._check_open()
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1:
+            msg = f"`epoch` must be an int >= 1, got {epoch!r}."
+            raise ValueError(msg)
+        self._res.end_run()
+        self._resume = None
+        self.epoch = epoch - 1
+
     def _make_run(
         self, *, epoch: int, next_seq: int, resume: InFlight | None, delivered_stamp: Any
     ) -> Stream:

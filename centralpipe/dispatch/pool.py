@@ -57,6 +57,9 @@ class Slot:
         self.gen = 0  # bumped at each replacement; chunks remember where they went
         self.send_lock = threading.Lock()
         self.retired: list[Connection] = []
+        # Write end of the worker's death pipe (see dispatch.worker): held
+        # here alone, closed when the worker is replaced or the pool closes.
+        self.death: Connection | None = None
         self.items = 0
 
     def ready(self) -> bool:
@@ -92,7 +95,7 @@ class WorkerPool:
     def _parent_fds(self) -> list[int]:
         fds = []
         for slot in self.slots:
-            for conn in (slot.conn, *slot.retired):
+            for conn in (slot.conn, slot.death, *slot.retired):
                 if conn is not None and not conn.closed:
                     fds.append(conn.fileno())
         return fds
@@ -102,17 +105,30 @@ class WorkerPool:
         for conn in (parent, child):
             _grow_socket_buffers(conn)
         slot.status = self.ctx.RawArray("d", STATUS_LEN)
-        close_fds = [*self._parent_fds(), parent.fileno()] if self.start_method == "fork" else []
+        death_r, death_w = self.ctx.Pipe(duplex=False)
+        close_fds = (
+            [*self._parent_fds(), parent.fileno(), death_w.fileno()]
+            if self.start_method == "fork"
+            else []
+        )
+        args = (slot.index, child, self.spec, slot.status, self.current_run, close_fds, death_r)
         proc = self.ctx.Process(
             target=worker_main,
-            args=(slot.index, child, self.spec, slot.status, self.current_run, close_fds),
+            args=args,
             name=f"centralpipe-worker-{slot.index}",
             daemon=True,
         )
-        proc.start()
-        child.close()
+        try:
+            proc.start()
+        except BaseException:
+            death_w.close()
+            raise
+        finally:
+            child.close()
+            death_r.close()
         slot.process = proc
         slot.conn = parent
+        slot.death = death_w
 
     def replace(self, slot: Slot) -> int | None:
         """Kill (if needed) and reap the slot's process, start a new one;
@@ -121,6 +137,7 @@ class WorkerPool:
         never write into a reused file descriptor."""
         old = slot.process
         exitcode = _reap(old)
+        _close_death(slot)
         if slot.conn is not None:
             slot.retired.append(slot.conn)
         slot.conn = None
@@ -161,7 +178,16 @@ class WorkerPool:
             if slot.process is not None:
                 _reap(slot.process, graceful=True)
                 slot.process = None
+            _close_death(slot)
         self.close_retired()
+
+
+def _close_death(slot: Slot) -> None:
+    """Close the slot's death pipe, once its worker is reaped (closing it
+    first would end the worker with SIGIO)."""
+    if slot.death is not None:
+        slot.death.close()
+        slot.death = None
 
 
 def _grow_socket_buffers(conn: Connection) -> None:

@@ -2,12 +2,22 @@
 
 Workers are stateless: a chunk's result depends only on its items, the seed,
 the epoch and the items' ``seq``. A worker exits when its pipe closes (the
-main process closed it, or died), or — should it be busy in user code — when
-a watchdog thread sees the main process gone.
+main process closed it, or died). Should it be busy in user code when the
+main process dies, two more guards end it within about a second:
+
+- the *death pipe*: the main process holds the only write end of a pipe whose
+  read end the worker arms for ``SIGIO`` (``O_ASYNC``). When the main process
+  exits, however it dies, the kernel closes that end and sends the worker
+  ``SIGIO``, whose default action ends the process, even inside a C call
+  that holds the GIL and whatever process (the forkserver) is its parent;
+- a watchdog thread sees the parent gone (re-parented, as happens at once
+  when the parent exits, even while it is an unreaped zombie) or the main
+  process missing or a zombie: the guard where ``O_ASYNC`` is not available.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import sys
@@ -29,7 +39,7 @@ from centralpipe.dispatch.protocol import (
 
 __all__ = ["WorkerSpec", "worker_main"]
 #: How often a worker checks that the main process is still alive.
-_WATCHDOG_INTERVAL_S = 1.0
+_WATCHDOG_INTERVAL_S = 0.25
 
 
 class WorkerSpec:
@@ -41,15 +51,46 @@ class WorkerSpec:
         self.torch_threads = torch_threads
 
 
-def _watchdog(main_pid: int) -> None:
-    while True:
-        time.sleep(_WATCHDOG_INTERVAL_S)
+def main_alive(main_pid: int) -> bool:
+    """False when ``main_pid`` is gone or a zombie (exited, not yet reaped)."""
+    try:
+        with open(f"/proc/{main_pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel (a zombie still counts as alive)
         try:
             os.kill(main_pid, 0)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    state = stat.rpartition(b")")[2].split()[:1]
+    return state not in ([b"Z"], [b"X"])
+
+
+def arm_death_pipe(death: Connection) -> bool:
+    """Have the kernel end this process (``SIGIO``) when the write end of
+    ``death``, held by the main process alone, closes. False when it already
+    has (the main process died before we got here)."""
+    fd = death.fileno()
+    try:
+        signal.signal(signal.SIGIO, signal.SIG_DFL)
+        fcntl.fcntl(fd, fcntl.F_SETOWN, os.getpid())
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_NONBLOCK | getattr(os, "O_ASYNC", 0))
+    except (AttributeError, OSError, ValueError):  # pragma: no cover - no O_ASYNC here
+        return True  # the watchdog thread remains
+    try:
+        return os.read(fd, 1) != b""  # b"": closed before O_ASYNC was set
+    except BlockingIOError:
+        return True
+
+
+def _watchdog(main_pid: int, parent_pid: int) -> None:
+    while True:
+        if os.getppid() != parent_pid or not main_alive(main_pid):
             os._exit(0)
-        except PermissionError:  # pragma: no cover - pid reused by another user
-            os._exit(0)
+        time.sleep(_WATCHDOG_INTERVAL_S)
 
 
 def worker_main(
@@ -59,10 +100,14 @@ def worker_main(
     status: Any,
     current_run: Any,
     close_fds: list[int],
+    death: Connection | None = None,
 ) -> None:
     """Entry point of a worker process (``multiprocessing.Process`` target)."""
     # Ctrl-C goes to the whole process group; the main process decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent_pid = os.getppid()
+    if (death is not None and not arm_death_pipe(death)) or not main_alive(spec.main_pid):
+        os._exit(0)
     for fd in close_fds:  # the parent's ends of other pipes, inherited by fork
         try:
             os.close(fd)
@@ -74,7 +119,7 @@ def worker_main(
         torch.set_num_threads(spec.torch_threads)
     except Exception:  # pragma: no cover - torch missing threads support
         pass
-    threading.Thread(target=_watchdog, args=(spec.main_pid,), daemon=True).start()
+    threading.Thread(target=_watchdog, args=(spec.main_pid, parent_pid), daemon=True).start()
     chain = spec.chain
     status[STATUS_READY] = 1.0
     while True:

@@ -19,6 +19,7 @@ from centralpipe.dispatch.protocol import (
     STATUS_STARTED,
     ChunkResult,
     StageFailure,
+    exception_text,
 )
 from centralpipe.pipeline import StageSpec
 from centralpipe.seeding import derive_seed
@@ -78,7 +79,7 @@ class WorkerChain:
         except Exception as exc:
             name = self._stages[k][1]
             return StageFailure(
-                len(outputs), name, type(exc).__name__, str(exc), traceback.format_exc()
+                len(outputs), name, type(exc).__name__, exception_text(exc), traceback.format_exc()
             )
         return None
 
@@ -124,7 +125,9 @@ class WorkerChain:
                     values = self._apply(kind, name, fn, with_rng, values, epoch, seq)
                 except Exception as exc:
                     failures.append(
-                        StageFailure(i, name, type(exc).__name__, str(exc), traceback.format_exc())
+                        StageFailure(
+                            i, name, type(exc).__name__, exception_text(exc), traceback.format_exc()
+                        )
                     )
                     values = []
                     break

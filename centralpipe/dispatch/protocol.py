@@ -7,9 +7,17 @@ framing), so a different transport plugs in at one place.
 
 Messages (tuples, first element the kind):
 
-- ``(MSG_CHUNK, run_id, cid, epoch, first_seq, items, skip)`` main → worker
+- ``(MSG_CHUNK, run_id, cid, epoch, first_seq, items, skip, per_item)`` main → worker
 - ``(MSG_RESULT, run_id, cid, ChunkResult)`` worker → main
 - ``(MSG_STATES,)`` main → worker, answered by ``(MSG_STATES, states)``
+
+A chunk's items and a result's outputs travel *sealed*
+(:class:`~centralpipe.dispatch.transport.Sealed`): one that cannot be
+unpickled on the other side arrives as an ``Undecodable`` inside an intact
+message, so the receiver still knows which chunk it was. Such a chunk is sent
+again ``per_item``: each item, and each input's outputs, sealed on its own, so
+exactly the items that cannot cross fail (at the boundary stage for inputs,
+at the last worker stage for outputs) and every item before them is delivered.
 
 A worker also publishes its progress in a shared status array (``STATUS_*``
 slots): the ``seq`` and stage index of the item it is on and since when, so
@@ -39,8 +47,10 @@ __all__ = [
     "Encoded",
     "InFlight",
     "StageFailure",
+    "Undecodable",
     "copy_items",
     "encode",
+    "exception_text",
     "picklable_error",
     "recv",
     "send",
@@ -56,14 +66,22 @@ STATUS_SEQ, STATUS_STARTED, STATUS_STAGE, STATUS_READY = 0, 1, 2, 3
 STATUS_LEN = 4
 
 
+Undecodable = transport.Undecodable
+exception_text = transport.exception_text
+
+
 class StageFailure(NamedTuple):
-    """An exception raised by a worker stage for one input of a chunk."""
+    """An exception raised by a worker stage for one input of a chunk
+    (or recorded by the main process for it: then ``text`` is the whole
+    message and ``exitcode`` the exit code of the worker it killed)."""
 
     at: int  # input index within the chunk
-    stage: str
+    stage: str | None
     exc_type: str
     message: str
     traceback: str
+    text: str = ""
+    exitcode: int | None = None
 
 
 class ChunkResult(NamedTuple):
@@ -88,6 +106,7 @@ class Chunk:
         "closed",
         "first_seq",
         "items",
+        "per_item",
         "raised_at",
         "result",
         "sent_gen",
@@ -111,8 +130,10 @@ class Chunk:
         self.bad_skip = ""  # why skip_first cannot be right (a damaged checkpoint)
         self.closed = False
         self.raised_at = -1  # input whose failure was raised to the consumer
-        # inputs that cannot be pickled: failures at the boundary stage
+        # inputs that cannot be pickled (failures at the boundary stage) and
+        # poison items (with on_error="raise"): failures known before a result
         self.unsendable: list[StageFailure] = []
+        self.per_item = False  # items and outputs sealed one by one (see above)
 
 
 class InFlight:
@@ -161,16 +182,64 @@ def recv(conn: Connection) -> Any:
     return transport.recv(conn)
 
 
+def chunk_message(
+    run_id: int, chunk: Chunk, epoch: int, items: list[Any], skip: frozenset[int]
+) -> tuple[Any, ...]:
+    """The ``MSG_CHUNK`` message of ``chunk`` with these items."""
+    sealed: Any = (
+        [transport.Sealed(x) for x in items] if chunk.per_item else transport.Sealed(items)
+    )
+    return (MSG_CHUNK, run_id, chunk.cid, epoch, chunk.first_seq, sealed, skip, chunk.per_item)
+
+
+def seal_outputs(result: ChunkResult, per_item: bool) -> ChunkResult:
+    """The result as a worker sends it: outputs sealed whole, or per input."""
+    if not per_item:
+        return result._replace(outputs=transport.Sealed(result.outputs))  # type: ignore[arg-type]
+    counts = result.counts or [1] * len(result.outputs)
+    groups = []
+    pos = 0
+    for n in counts:
+        groups.append(transport.Sealed(result.outputs[pos : pos + n]))
+        pos += n
+    return ChunkResult(groups, list(counts), result.failures, result.elapsed_s)
+
+
+def unseal_outputs(result: ChunkResult, stage: str | None, boundary: str) -> ChunkResult:
+    """A per-item result as the main process delivers it: inputs whose outputs
+    cannot be unpickled fail at ``stage``; inputs that could not be unpickled
+    in the worker (stage ``None``) fail at ``boundary``."""
+    failures = [
+        f if f.stage is not None else f._replace(stage=boundary) for f in result.failures or ()
+    ]
+    outputs: list[Any] = []
+    counts: list[int] = []
+    for i, group in enumerate(result.outputs):
+        if isinstance(group, Undecodable):
+            text = f"its result cannot be unpickled in the main process: {group.message}"
+            failures.append(StageFailure(i, stage, group.exc_type, text, ""))
+            counts.append(0)
+        else:
+            outputs.extend(group)
+            counts.append(len(group))
+    failures.sort(key=lambda f: f.at)
+    return ChunkResult(outputs, counts, failures or None, result.elapsed_s)
+
+
 def copy_items(items: list[Any]) -> list[Any]:
     """A serialised round trip of ``items``: what a worker would receive."""
     copied: list[Any] = transport.copy(items)
     return copied
 
 
-def picklable_error(obj: Any) -> Exception | None:
-    """``None`` when ``obj`` can be serialised, else the exception."""
+def picklable_error(obj: Any, *, roundtrip: bool = False) -> Exception | None:
+    """``None`` when ``obj`` can be serialised (and, with ``roundtrip``,
+    unpickled again), else the exception."""
     try:
-        transport.dumps(obj)
+        if roundtrip:
+            transport.copy(obj)
+        else:
+            transport.dumps(obj)
     except Exception as exc:
         return exc
     return None

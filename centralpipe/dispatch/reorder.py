@@ -175,9 +175,13 @@ class Stream:
         if result.failures and self.on_error == "skip":
             for failure in result.failures:
                 self.stats.skipped += 1
+                seq = chunk.first_seq + failure.at
+                if failure.text:
+                    logger.warning("skipping item seq %d: %s", seq, failure.text)
+                    continue
                 logger.warning(
                     "skipping item seq %d: worker stage '%s' raised %s: %s",
-                    chunk.first_seq + failure.at,
+                    seq,
                     failure.stage,
                     failure.exc_type,
                     failure.message,
@@ -239,13 +243,16 @@ class Stream:
                 chunk.raised_at = i
                 self.broken = True
                 seq = chunk.first_seq + i
-                msg = f"worker stage '{f.stage}' raised {f.exc_type} on item seq {seq}: {f.message}"
+                msg = f.text or (
+                    f"worker stage '{f.stage}' raised {f.exc_type} on item seq {seq}: {f.message}"
+                )
                 raise WorkerError(
                     msg,
                     stage=f.stage,
                     seq=seq,
-                    exc_type=f.exc_type,
+                    exc_type=f.exc_type or None,
                     remote_traceback=f.traceback or None,
+                    exitcode=f.exitcode,
                 )
             for _ in range(n):
                 try:

@@ -20,7 +20,7 @@ from typing import Any
 
 from centralpipe.dispatch import protocol
 from centralpipe.dispatch.pool import WorkerPool
-from centralpipe.dispatch.protocol import MSG_CHUNK, Chunk, StageFailure
+from centralpipe.dispatch.protocol import Chunk, StageFailure
 from centralpipe.dispatch.reorder import FIRST_CHUNK, Driver, Stream
 
 __all__ = ["Feeder", "InlineDriver", "copy_items", "pull_chunk", "run_skip", "sendable_items"]
@@ -143,19 +143,23 @@ def copy_items(s: Stream, chunk: Chunk) -> list[Any]:
     failures of the boundary stage (:func:`sendable_items`)."""
     try:
         return protocol.copy_items(chunk.items)
-    except Exception:
-        return protocol.copy_items(sendable_items(s, chunk))
+    except Exception:  # an item cannot be pickled, or unpickled again
+        return protocol.copy_items(sendable_items(s, chunk, roundtrip=True))
 
 
-def sendable_items(s: Stream, chunk: Chunk) -> list[Any]:
-    """Items with each one that cannot be pickled replaced by ``None`` and
-    recorded in ``chunk.unsendable`` (the rest of the chunk goes on)."""
+def sendable_items(s: Stream, chunk: Chunk, *, roundtrip: bool = False) -> list[Any]:
+    """Items with each one that cannot be pickled (or, with ``roundtrip``,
+    unpickled again) replaced by ``None`` and recorded in ``chunk.unsendable``
+    (the rest of the chunk goes on)."""
     items = list(chunk.items)
-    chunk.unsendable = []
+    chunk.unsendable = [f for f in chunk.unsendable if f.text]  # keep poison items
     for i, item in enumerate(items):
-        exc = protocol.picklable_error(item)
+        exc = protocol.picklable_error(item, roundtrip=roundtrip)
         if exc is not None:
-            text = f"an item from the central stages cannot be pickled for the worker stages: {exc}"
+            text = (
+                "an item from the central stages cannot be sent to the worker stages: "
+                f"{protocol.exception_text(exc)}"
+            )
             chunk.unsendable.append(StageFailure(i, s.dispatch_name, type(exc).__name__, text, ""))
             items[i] = None
     return items
@@ -241,8 +245,7 @@ class Feeder:
                 return
 
             def message(items: list[Any]) -> tuple[Any, ...]:
-                skip = run_skip(chunk)
-                return (MSG_CHUNK, self.run_id, chunk.cid, s.epoch, chunk.first_seq, items, skip)
+                return protocol.chunk_message(self.run_id, chunk, s.epoch, items, run_skip(chunk))
 
             try:
                 encoded = protocol.encode(message(chunk.items))

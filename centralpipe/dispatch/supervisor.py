@@ -19,7 +19,7 @@ from typing import Any
 
 from centralpipe.dispatch import protocol
 from centralpipe.dispatch.pool import Slot, WorkerPool, describe_exit, kill_now
-from centralpipe.dispatch.protocol import MSG_RESULT, MSG_STATES, Chunk
+from centralpipe.dispatch.protocol import MSG_RESULT, MSG_STATES, Chunk, StageFailure
 from centralpipe.dispatch.reorder import Driver, Stream, logger
 from centralpipe.dispatch.sender import Feeder
 from centralpipe.errors import WorkerError
@@ -123,6 +123,14 @@ class Supervisor(Driver):
             chunk = self.stream.by_cid.get(cid)
             if chunk is None or chunk.result is not None:
                 return
+            if isinstance(result.outputs, protocol.Undecodable):
+                # An item or an output cannot be unpickled on its way: find
+                # which by sending the chunk again, item by item.
+                self._resend_per_item(chunk)
+                return
+            if chunk.per_item:
+                stage = self.stream.chain.specs[-1].name if self.stream.chain.specs else None
+                result = protocol.unseal_outputs(result, stage, self.stream.dispatch_name)
             self.stream.stats.items_per_worker[slot.index] += len(chunk.items)
             chunk.result = self.stream.accept(chunk, result)
         elif msg[0] == MSG_STATES:
@@ -191,6 +199,15 @@ class Supervisor(Driver):
             )
             self.stream.cond.notify_all()
 
+    def _resend_per_item(self, chunk: Chunk) -> None:
+        if chunk.per_item:  # cannot happen: each item is sealed on its own
+            raise RuntimeError(f"chunk {chunk.cid} cannot be decoded even item by item")
+        with self.stream.cond:
+            chunk.per_item = True
+            chunk.sent_gen = -1
+            self.feeder.resend.append(chunk)
+            self.stream.cond.notify_all()
+
     def _poison(self, seq: int, stage: str | None, what: str, exitcode: int | None) -> None:
         verb = "hung" if what.startswith("hung") else "killed"
         text = f"item seq {seq} {verb} {self.strikes[seq]} workers (last: worker {what})"
@@ -204,12 +221,18 @@ class Supervisor(Driver):
             self.stream.stats.skipped += 1
             logger.warning("skipping %s", text)
             return
-        self.stream.broken = True
         msg = (
             f"{text}; it was retried {self.item_retries} time(s) on a fresh worker "
             "(WorkerConfig.item_retries). Fix the item or use on_error='skip'."
         )
-        raise WorkerError(msg, stage=stage, seq=seq, exitcode=exitcode)
+        # Not raised here: the chunk is re-sent without the item, and the
+        # error is raised in its place, after every item before it.
+        with self.stream.lock:
+            for chunk in self.stream.pending:
+                if chunk.first_seq <= seq < chunk.first_seq + len(chunk.items):
+                    at = seq - chunk.first_seq
+                    failure = StageFailure(at, stage, "", "", "", text=msg, exitcode=exitcode)
+                    chunk.unsendable.append(failure)
 
     def worker_states(self) -> list[Any]:
         """Ask every worker for its stateful stages' state (a control message)."""

@@ -46,7 +46,7 @@ try:
 except ImportError:  # pragma: no cover - numpy is optional
     np = None  # type: ignore[assignment]
 
-__all__ = ["Message", "copy", "dumps", "loads", "recv", "send", "write"]
+__all__ = ["Message", "Sealed", "Undecodable", "copy", "dumps", "loads", "recv", "send", "write"]
 
 #: Regions smaller than this travel inside the header (one copy beats a message).
 INBAND_MAX_BYTES = 16 * 1024
@@ -71,6 +71,41 @@ class Message:
     @property
     def nbytes(self) -> int:
         return len(self.head) + sum(b.nbytes for b in self.buffers)
+
+
+class Sealed:
+    """Wraps an object that is pickled as a message of its own inside the
+    message: if it cannot be unpickled on the other side it arrives as an
+    :class:`Undecodable`, and the rest of the message is intact."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+
+class Undecodable:
+    """What a :class:`Sealed` object became when it could not be unpickled."""
+
+    __slots__ = ("exc_type", "message")
+
+    def __init__(self, exc_type: str, message: str) -> None:
+        self.exc_type = exc_type
+        self.message = message
+
+    def __reduce__(self) -> Any:
+        return (Undecodable, (self.exc_type, self.message))
+
+    def __repr__(self) -> str:
+        return f"Undecodable({self.exc_type}: {self.message})"
+
+
+def exception_text(exc: BaseException) -> str:
+    """``str(exc)``, or a placeholder when the exception's ``__str__`` raises."""
+    try:
+        return str(exc)
+    except Exception as inner:
+        return f"<{type(exc).__name__} whose str() raised {type(inner).__name__}>"
 
 
 # -- regions -------------------------------------------------------------------
@@ -101,6 +136,10 @@ def _region(index: int) -> Any:  # pragma: no cover - replaced at load time
     raise pickle.UnpicklingError("a region reference outside a centralpipe message")
 
 
+def _sealed(index: int) -> Any:  # pragma: no cover - replaced at load time
+    raise pickle.UnpicklingError("a sealed object outside a centralpipe message")
+
+
 def _span(offset: int, shape: Sequence[int], strides: Sequence[int], itemsize: int) -> tuple:
     """Byte range ``[lo, hi)`` used by an array at byte ``offset`` (non-empty)."""
     lo = hi = offset
@@ -120,6 +159,7 @@ class _Pickler(pickle.Pickler):
         super().__init__(file, protocol=5, buffer_callback=self._oob)
         self.buffers = buffers
         self.regions: dict[tuple[Any, ...], _Region] = {}
+        self.sealed: list[Message] = []
 
     def _oob(self, buf: pickle.PickleBuffer) -> None:
         self.buffers.append(buf.raw())
@@ -140,6 +180,9 @@ class _Pickler(pickle.Pickler):
             return self._reduce_array(obj)
         if cls is memoryview:
             return _reduce_memoryview(obj)
+        if cls is Sealed:
+            self.sealed.append(dumps(obj.obj))
+            return (_sealed, (len(self.sealed) - 1,))
         return NotImplemented
 
     def _reduce_tensor(self, t: torch.Tensor) -> Any:
@@ -274,28 +317,43 @@ def _rebuild_memoryview(data: bytearray, fmt: str, shape: tuple[int, ...], reado
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: Any, buffers: Sequence[Any], regions: list[_Loaded]) -> None:
+    def __init__(
+        self, file: Any, buffers: Sequence[Any], regions: list[_Loaded], sealed: list[Any]
+    ) -> None:
         super().__init__(file, buffers=buffers)
         self.regions = regions
+        self.sealed = sealed
 
     def find_class(self, module: str, name: str) -> Any:
         if module == _THIS and name == "_region":
             return self.regions.__getitem__
+        if module == _THIS and name == "_sealed":
+            return self._unseal
         return super().find_class(module, name)
+
+    def _unseal(self, index: int) -> Any:
+        head, buffers = self.sealed[index]
+        try:
+            return loads(head, buffers)
+        except Exception as exc:
+            return Undecodable(type(exc).__name__, exception_text(exc))
 
 
 # -- messages --------------------------------------------------------------------
 
 
 def dumps(obj: Any) -> Message:
-    """Pickle ``obj``; large array memory comes back as separate buffers."""
+    """Pickle ``obj``; large array memory comes back as separate buffers.
+
+    Out-of-band buffers are, in order: ``PickleBuffer``\\ s of the body, then
+    the large regions, then the buffers of each sealed object."""
     buffers: list[memoryview] = []
     out = io.BytesIO()
     pickler = _Pickler(out, buffers)
     pickler.dump(obj)
     body = out.getbuffer()
     flags = [b.readonly for b in buffers]
-    if not pickler.regions:
+    if not pickler.regions and not pickler.sealed:
         meta = b""
     else:
         table: list[tuple[int, int, bytes | None]] = []  # (base, size, in-band bytes)
@@ -309,7 +367,12 @@ def dumps(obj: Any) -> Message:
                 table.append((base, size, None))
                 buffers.append(_view(data))
                 flags.append(False)
-        meta = pickle.dumps(table, protocol=5)
+        sealed = []
+        for inner in pickler.sealed:
+            sealed.append((inner.head, len(inner.buffers)))
+            buffers.extend(inner.buffers)
+            flags.extend([False] * len(inner.buffers))
+        meta = pickle.dumps((table, sealed), protocol=5)
     sizes = b"".join(_BUF.pack(b.nbytes, ro) for b, ro in zip(buffers, flags))
     head = _HEAD.pack(len(meta), len(buffers)) + sizes + meta + body
     return Message(head, buffers)
@@ -348,10 +411,12 @@ def loads(head: Any, buffers: Sequence[Any]) -> Any:
     view, sizes, pos = _parse(head)
     meta_len = _HEAD.unpack_from(view, 0)[0]
     regions: list[_Loaded] = []
+    sealed: list[tuple[bytes, list[Any]]] = []
     n_pickle = len(sizes)
     if meta_len:
-        table = pickle.loads(view[pos : pos + meta_len])
+        table, sealed_table = pickle.loads(view[pos : pos + meta_len])
         n_pickle -= sum(1 for *_, data in table if data is None)
+        n_pickle -= sum(n for _, n in sealed_table)
         k = n_pickle
         for base, _size, data in table:
             if data is None:
@@ -359,12 +424,15 @@ def loads(head: Any, buffers: Sequence[Any]) -> Any:
                 k += 1
             else:
                 regions.append(_Loaded(base, bytearray(data)))
+        for inner_head, n in sealed_table:
+            sealed.append((inner_head, list(buffers[k : k + n])))
+            k += n
     oob = [
         memoryview(b).toreadonly() if ro else b
         for b, (_, ro) in zip(buffers[:n_pickle], sizes[:n_pickle])
     ]
     body = io.BytesIO(view[pos + meta_len :])
-    return _Unpickler(body, oob, regions).load()
+    return _Unpickler(body, oob, regions, sealed).load()
 
 
 def copy(obj: Any) -> Any:

@@ -129,11 +129,11 @@ def worker_main(
             break
         kind = msg[0]
         if kind == MSG_CHUNK:
-            _, run_id, cid, epoch, first_seq, items, skip = msg
+            _, run_id, cid, epoch, first_seq, items, skip, per_item = msg
             if run_id < current_run.value:
                 continue  # the main process abandoned that run
-            result = chain.run_chunk(epoch, first_seq, items, skip, status)
-            if not _send_result(conn, (MSG_RESULT, run_id, cid, result), chain):
+            result = _run(chain, epoch, first_seq, items, skip, per_item, status)
+            if not _send_result(conn, run_id, cid, result, per_item, chain):
                 break
         elif kind == MSG_STATES:
             try:
@@ -144,20 +144,57 @@ def worker_main(
     sys.exit(0)
 
 
-def _send_result(conn: Connection, msg: tuple[Any, ...], chain: WorkerChain) -> bool:
+def _run(
+    chain: WorkerChain,
+    epoch: int,
+    first_seq: int,
+    items: Any,
+    skip: frozenset[int],
+    per_item: bool,
+    status: Any,
+) -> ChunkResult:
+    """Run a chunk whose items arrived sealed (see ``protocol``)."""
+    if not per_item:
+        if isinstance(items, protocol.Undecodable):
+            # Some item cannot be unpickled here: the main process re-sends
+            # the chunk per item to find out which.
+            return ChunkResult(items, None, None, 0.0)  # type: ignore[arg-type]
+        return chain.run_chunk(epoch, first_seq, items, skip, status)
+    bad = []
+    for i, item in enumerate(items):
+        if isinstance(item, protocol.Undecodable):
+            text = f"the item cannot be unpickled in the worker: {item.message}"
+            bad.append(StageFailure(i, None, item.exc_type, text, ""))
+    if bad:
+        skip = frozenset(skip).union(f.at for f in bad)
+        items = [None if i in skip else x for i, x in enumerate(items)]
+    result = chain.run_chunk(epoch, first_seq, items, skip, status)
+    if bad:
+        counts = result.counts or [1] * len(items)
+        failures = sorted([*(result.failures or ()), *bad], key=lambda f: f.at)
+        result = result._replace(counts=counts, failures=failures)
+    return result
+
+
+def _send_result(
+    conn: Connection, run_id: int, cid: int, result: ChunkResult, per_item: bool, chain: WorkerChain
+) -> bool:
     """Send a result; outputs that cannot be pickled become failures of the
     last worker stage. False when the main process is gone."""
+    if isinstance(result.outputs, protocol.Undecodable):
+        sealed = result
+    else:
+        sealed = protocol.seal_outputs(result, per_item)
     try:
-        protocol.send(conn, msg)
+        protocol.send(conn, (MSG_RESULT, run_id, cid, sealed))
         return True
     except (OSError, EOFError):
         return False
     except Exception:
         pass
-    kind, run_id, cid, result = msg
-    result = _drop_unpicklable(result, chain)
+    result = protocol.seal_outputs(_drop_unpicklable(result, chain), per_item)
     try:
-        protocol.send(conn, (kind, run_id, cid, result))
+        protocol.send(conn, (MSG_RESULT, run_id, cid, result))
         return True
     except (OSError, EOFError):
         return False

@@ -51,7 +51,7 @@ Who blocks on what, and the bound:
 Invariants (``Stream.lock``): every item the central chain produced is
 delivered or in a pending chunk; ``in_flight`` counts the items dispatched and
 not yet retired and is ``<= buffer_size``; a chunk's ``sent_gen`` equals its
-slot's generation iff the current worker of that slot has it.
+slot's generation iff the current worker of that slot has it or is being sent it.
 
 Shutdown escalates (``Supervisor.stop``, then ``WorkerPool.close``): mark the
 run stopped and abandoned (``current_run``, so workers skip queued chunks) →

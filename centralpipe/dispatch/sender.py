@@ -157,7 +157,8 @@ def sendable_items(s: Stream, chunk: Chunk, *, roundtrip: bool = False) -> list[
         exc = protocol.picklable_error(item, roundtrip=roundtrip)
         if exc is not None:
             text = (
-                "an item from the central stages cannot be sent to the worker stages: "
+                "an item from the central stages cannot be pickled (or unpickled again) "
+                "for the worker stages: "
                 f"{protocol.exception_text(exc)}"
             )
             chunk.unsendable.append(StageFailure(i, s.dispatch_name, type(exc).__name__, text, ""))
@@ -251,8 +252,11 @@ class Feeder:
                 encoded = protocol.encode(message(chunk.items))
             except Exception:
                 encoded = protocol.encode(message(sendable_items(s, chunk)))
+            # Marked sent before writing: the result (or a request to send
+            # the chunk again per item) may come back before the write returns.
+            # A failed write means a dead worker: its replacement bumps ``gen``.
+            chunk.sent_gen = slot.gen
             try:
                 protocol.send_encoded(slot.conn, encoded)
-                chunk.sent_gen = slot.gen
             except (OSError, EOFError, ValueError):
                 pass  # the worker died; the supervisor replaces it and re-sends

@@ -237,7 +237,12 @@ def summarize(sd: Mapping[str, Any], *, source: str = "") -> str:
                 add(f"      {key}: {_short(value)}")
         elif stage_state:
             add(f"      {_short(stage_state)}")
-    rest = [f"{n} ({k})" for n, k in kinds.items() if n not in central]
+    # Stages inside a mix are named "<mix>/<source>/<stage>"; their states are in the mix's.
+    mixes = tuple(f"{n}/" for n, k in kinds.items() if k == "mix")
+    inside = [f"{n} ({k})" for n, k in kinds.items() if n not in central and n.startswith(mixes)]
+    if inside:
+        add(f"  stages inside mixes: {', '.join(inside)}")
+    rest = [f"{n} ({k})" for n, k in kinds.items() if n not in central and not n.startswith(mixes)]
     if rest:
         add(f"  dispatch and worker stages: {', '.join(rest)}")
     return "\n".join(lines)

@@ -357,3 +357,25 @@ def test_mix_after_dispatch_stages_come_after_it() -> None:
     """dispatch() and worker stages go after the mix, and run there."""
     pipe = cp.Pipeline.mix(_GOOD, {"a": 1, "b": 1}).dispatch().map(lambda x: x * 10)
     assert sorted(_run(pipe, loader_config(num_workers=2))) == [10, 20]
+
+
+def test_inspect_lists_the_stages_inside_a_mix() -> None:
+    """`inspect` shows the mix's state and lists its inner stages as such."""
+    from centralpipe.__main__ import summarize_checked
+
+    _, state = _checkpoint_after(cp.Pipeline.mix(_three(shuffle=4), WEIGHTS, name="m").count(), 5)
+    text, problem = summarize_checked(state)
+    assert problem == ""
+    assert "m (mix):" in text and "drawn: " in text
+    assert "stages inside mixes: m/a/source (iterable), m/a/shuf (shuffle)" in text
+    assert "dispatch and worker stages" not in text
+
+
+def test_glob_matching_nothing_inside_a_mix_fails_when_the_loader_starts(tmp_path: Any) -> None:
+    """A sub-pipeline's from_files glob is resolved when the Loader is made, naming the stage."""
+    pipe = cp.Pipeline.mix(
+        {"a": _source("a", 3), "f": cp.Pipeline.from_files(str(tmp_path / "*.none")).read_lines()},
+        {"a": 1, "f": 1},
+    )
+    with pytest.raises(cp.PipelineError, match="stage 'mix/f/files': the glob"):
+        cp.Loader(pipe)

@@ -1,13 +1,10 @@
 """Finding child processes and threads that a test left behind.
 
-Linux only: processes are read from ``/proc``. Every ``/proc/<pid>/stat`` is
-scanned once per call, which sees children started by any thread (the
-``/proc/<pid>/task/*/children`` files can miss children of running tasks).
-
-The multiprocessing forkserver and resource tracker are long-lived helpers
-started on first use and kept for the whole session, so they are never reported
-as leaks; the processes the forkserver forks for a test are, since they are
-workers like any other.
+Processes come from ``psutil`` (which scans every process's parent, so it sees
+children started by any thread). The multiprocessing forkserver and resource
+tracker are long-lived helpers started on first use and kept for the whole
+session, so they are never reported as leaks; the processes the forkserver
+forks for a test are, since they are workers like any other.
 """
 
 from __future__ import annotations
@@ -15,48 +12,31 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
-import signal
 import threading
 import time
 from collections.abc import Iterable
 
+import psutil
+
 HELPER_MARKERS = ("forkserver", "resource_tracker")
 _POLL_INTERVAL_S = 0.05
+_GONE = (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied)
 
 
-def _read_stat(pid: int) -> tuple[int, str] | None:
-    """Return ``(ppid, state)`` of ``pid``, or ``None`` if it is gone."""
+def _running(proc: psutil.Process) -> bool:
+    """True unless ``proc`` is gone or a zombie (exited, not yet reaped)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read().decode(errors="replace")
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    # The command name (field 2) is in parentheses and may hold spaces or ')'.
-    fields = data.rpartition(")")[2].split()
-    if len(fields) < 2:
-        return None
-    return int(fields[1]), fields[0]
-
-
-def _process_table() -> dict[int, tuple[int, str]]:
-    """Map every visible pid to ``(ppid, state)``."""
-    table: dict[int, tuple[int, str]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            stat = _read_stat(int(entry))
-            if stat is not None:
-                table[int(entry)] = stat
-    return table
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except _GONE:
+        return False
 
 
 def cmdline(pid: int) -> str:
     """The command line of ``pid`` as one string ('' if gone or a zombie)."""
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            raw = f.read()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return " ".join(psutil.Process(pid).cmdline()).strip()
+    except _GONE:
         return ""
-    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
 
 
 def is_helper(pid: int) -> bool:
@@ -70,12 +50,11 @@ def child_pids(pid: int | None = None, *, include_zombies: bool = False) -> set[
 
     Zombies (exited, not yet reaped) are left out unless ``include_zombies``.
     """
-    parent = os.getpid() if pid is None else pid
-    return {
-        child
-        for child, (ppid, state) in _process_table().items()
-        if ppid == parent and (include_zombies or state != "Z")
-    }
+    try:
+        children = psutil.Process(os.getpid() if pid is None else pid).children()
+    except _GONE:
+        return set()
+    return {c.pid for c in children if include_zombies or _running(c)}
 
 
 def live_descendants(pid: int | None = None) -> set[int]:
@@ -85,18 +64,18 @@ def live_descendants(pid: int | None = None) -> set[int]:
     forkserver forks inherit its command line, and those are workers to track.
     """
     root = os.getpid() if pid is None else pid
-    table = _process_table()
-    children: dict[int, list[int]] = {}
-    for child, (ppid, _) in table.items():
-        children.setdefault(ppid, []).append(child)
+    try:
+        descendants = psutil.Process(root).children(recursive=True)
+    except _GONE:
+        return set()
     found: set[int] = set()
-    stack = list(children.get(root, ()))
-    while stack:
-        current = stack.pop()
-        stack.extend(children.get(current, ()))
-        if table[current][1] == "Z" or (table[current][0] == root and is_helper(current)):
+    for proc in descendants:
+        if not _running(proc):
             continue
-        found.add(current)
+        with contextlib.suppress(*_GONE):
+            if proc.ppid() == root and is_helper(proc.pid):
+                continue
+        found.add(proc.pid)
     return found
 
 
@@ -133,8 +112,8 @@ def kill_processes(pids: Iterable[int], timeout_s: float = 5.0) -> None:
     """SIGKILL ``pids`` and reap them, so one leak does not fail later tests."""
     remaining = set(pids)
     for pid in remaining:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(*_GONE):
+            psutil.Process(pid).kill()
     deadline = time.monotonic() + timeout_s
     while remaining and time.monotonic() < deadline:
         _reap()

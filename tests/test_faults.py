@@ -300,10 +300,11 @@ if __name__ == "__main__":
 
 
 def _alive(pid: int) -> bool:
+    import psutil
+
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except FileNotFoundError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
         return False
 
 

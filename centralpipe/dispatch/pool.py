@@ -235,6 +235,6 @@ def kill_now(proc: Any) -> None:
     """SIGKILL a worker (hung item) without waiting."""
     try:
         if proc is not None and proc.is_alive():
-            os.kill(proc.pid, 9)
+            proc.kill()
     except (ProcessLookupError, ValueError):
         pass

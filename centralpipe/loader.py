@@ -36,6 +36,7 @@ from centralpipe.stages import (
 )
 from centralpipe.stages.sources import FilesSource
 from centralpipe.stages.totals import Total, chain_totals, first_unknown
+from centralpipe.startup import main_is_importable, references_main
 
 __all__ = ["Loader"]
 
@@ -493,9 +494,21 @@ class Loader(Generic[T]):
         method = w.resolved_start_method()
         if w.num_workers == 0 or method == "fork":
             return
+        main_ok = main_is_importable()
         for spec in self._pipe.worker_stages:
             try:
-                pickle.dumps(spec.fn)
+                pickled = pickle.dumps(spec.fn)
+                if not main_ok and references_main(pickled):
+                    msg = (
+                        f"stage '{spec.name}': its function {spec.fn!r} is defined in __main__ "
+                        "of an interactive session, a notebook or `python -c`, which worker "
+                        f"processes started with '{method}' cannot import. Use "
+                        "WorkerConfig(start_method='fork'), or define the function in a module "
+                        "(or a script file run as `python script.py`)."
+                    )
+                    raise PipelineError(msg)
+            except PipelineError:
+                raise
             except Exception as exc:
                 msg = (
                     f"stage '{spec.name}': its function {spec.fn!r} cannot be pickled, which "

@@ -367,6 +367,13 @@ class Pipeline:
     ) -> Pipeline:
         """Pass items through, counting them: state ``{"items": n, "weight": w}``
         where ``w`` sums ``weight_fn(item)`` (or counts items)."""
+        if callable(name):
+            fn_name = getattr(name, "__name__", "fn")
+            msg = (
+                f"count() takes the stage's name first and the weight function by keyword: "
+                f'write .count("pre_shard", weight_fn={fn_name}), got {name!r} as the name.'
+            )
+            raise PipelineError(msg)
         if weight_fn is not None:
             _check_callable(weight_fn, "`weight_fn`", name or self._default_name("count"))
         return self._add("count", name, "central", fn=weight_fn)

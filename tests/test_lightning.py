@@ -115,7 +115,7 @@ def test_epoch_end_checkpoint_without_loader_state(tmp_path: Path) -> None:
     full = Model(pipe)
     make_trainer(None, max_epochs=3).fit(full)
     first = Model(pipe)
-    trainer = make_trainer(None, max_epochs=1, enable_checkpointing=True)
+    trainer = make_trainer(None, max_epochs=1)
     trainer.fit(first)
     path = tmp_path / "epoch.ckpt"
     trainer.save_checkpoint(path)

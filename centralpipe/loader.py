@@ -25,7 +25,7 @@ from centralpipe.dispatch.reorder import Stream, StreamStats
 from centralpipe.dispatch.worker import WorkerSpec
 from centralpipe.errors import PipelineError
 from centralpipe.launchers import warn_if_duplicating
-from centralpipe.pipeline import Pipeline
+from centralpipe.pipeline import WORKER_KINDS, Pipeline
 from centralpipe.stages import (
     CentralNode,
     Count,
@@ -34,7 +34,6 @@ from centralpipe.stages import (
     all_nodes,
     build_central,
 )
-from centralpipe.stages.sources import FilesSource
 from centralpipe.stages.totals import Total, chain_totals, first_unknown
 from centralpipe.startup import main_is_importable, references_main
 
@@ -96,8 +95,9 @@ class Loader(Generic[T]):
         # Stages inside a mix are queried by their qualified names (mix/source/stage).
         self._by_name = {node.name: node for node in all_nodes(self._nodes)}
         for node in self._nodes:
-            if isinstance(node, FilesSource):
-                node.prepare()
+            node.prepare()
+        # Dispatched items carry these stages' totals (delivered queries, checkpoints).
+        self._stamped = [node for node in self._nodes if node.stamped]
         self._chain = WorkerChain(pipeline.worker_stages, config.seed)
         self._check_picklable()
         self.epoch = 0
@@ -367,8 +367,10 @@ class Loader(Generic[T]):
             nodes=list(self._nodes),
             boundaries=[self._boundary],
             tip=self._boundary,
-            stamped=[n for n in self._nodes if isinstance(n, (Count, Shard))],
-            multi_output=any(s.kind == "flat_map" for s in self._pipe.worker_stages),
+            stamped=self._stamped,
+            multi_output=any(
+                WORKER_KINDS[s.kind].outputs == "any" for s in self._pipe.worker_stages
+            ),
             length=self._central_bound(),
         )
 
@@ -410,7 +412,7 @@ class Loader(Generic[T]):
                 stamped = run.stamped_nodes()
             elif self._resume is not None and self._resume.get("delivered_stamp") is not None:
                 stamp = self._resume["delivered_stamp"]
-                stamped = [n for n in self._nodes if isinstance(n, (Count, Shard))]
+                stamped = self._stamped
             else:
                 return node.own_state()
             if stamp is None:
@@ -519,8 +521,7 @@ class Loader(Generic[T]):
                 raise PipelineError(msg) from None
 
     def _pre_shard_index(self, stamp: Any) -> int | None:
-        stamped = [n for n in self._nodes if isinstance(n, (Count, Shard))]
-        for i, node in enumerate(stamped):
+        for i, node in enumerate(self._stamped):
             if isinstance(node, Shard):
                 return int(stamp[i]) if stamp is not None else node.index
         return None

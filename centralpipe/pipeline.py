@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 from torchdata.nodes import BaseNode
 
 from centralpipe.errors import PipelineError
+
+if TYPE_CHECKING:
+    from centralpipe.stages.base import Total
 
 __all__ = ["Pipeline", "StageSpec"]
 
@@ -25,6 +28,30 @@ Placement = Literal["source", "central", "dispatch", "worker"]
 EQUALIZE = (None, "drop_last", "pad")
 #: Every ASCII character: an encoding that writes them as ASCII bytes can be split on b"\n".
 _ASCII = "".join(map(chr, range(128)))
+
+
+@attrs.frozen
+class WorkerKind:
+    """A stage kind that runs per item in the workers (or inline), and how many
+    outputs one input makes: ``"one"``, ``"at_most_one"`` or ``"any"``. (Central
+    stage kinds have their home in their node class, ``centralpipe.stages``.)"""
+
+    outputs: Literal["one", "at_most_one", "any"]
+
+    def out_total(self, total: Total, stage: str) -> Total | None:
+        """Items out of ``total`` items in (``None``: unknown)."""
+        if self.outputs == "one":
+            return total
+        return total.at_most(stage) if self.outputs == "at_most_one" else None
+
+
+#: The kinds a worker stage can have.
+WORKER_KINDS: dict[str, WorkerKind] = {
+    "map": WorkerKind("one"),
+    "collate": WorkerKind("one"),
+    "filter": WorkerKind("at_most_one"),
+    "flat_map": WorkerKind("any"),
+}
 
 
 @attrs.frozen(eq=False)
@@ -495,7 +522,7 @@ class Pipeline:
                 "filter, flat_map and collate run in workers."
             )
             raise PipelineError(msg)
-        if fn is not None or kind in ("map", "filter", "flat_map"):
+        if fn is not None or kind in WORKER_KINDS:
             _check_callable(fn, "the function", stage)
         taken = {s.name for s in self._all_specs()}
         if stage in taken:

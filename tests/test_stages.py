@@ -891,3 +891,43 @@ def test_resume_checker_equality(a: Any, b: Any, same: bool) -> None:
     """The checker compares tensors by dtype, shape and value, containers element-wise."""
     assert _equal(a, b) is same
     assert _equal(b, a) is same
+
+
+def test_every_stage_kind_has_one_home() -> None:
+    """Each central kind the builder makes has a registered node class declaring its
+    kind, its construction and its state schema; each worker kind its output rule."""
+    import attrs
+
+    from centralpipe.pipeline import WORKER_KINDS
+    from centralpipe.stages import NODE_CLASSES
+
+    words = cp.Pipeline.from_iterable(["a", "bb"])
+    pipes = [
+        cp.Pipeline.from_files(["x.txt"])
+        .read_lines()
+        .map(len)
+        .filter(bool)
+        .flat_map(_repeat)
+        .batch(2)
+        .shuffle(2)
+        .count("c")
+        .shard()
+        .dispatch()
+        .map(len)
+        .filter(bool)
+        .flat_map(_repeat)
+        .collate(),
+        words.bucket_by_max_tokens(4).dispatch(),
+        words.pack(4),
+        cp.Pipeline.from_dataset([1, 2]),
+        cp.Pipeline.from_node(tn.IterableWrapper([1])),
+        cp.Pipeline.mix({"w": words}, weights={"w": 1.0}),
+    ]
+    for pipe in pipes:
+        for spec in pipe.central_stages:
+            cls = NODE_CLASSES[spec.kind]
+            assert cls.kind == spec.kind
+            assert not getattr(cls.from_spec, "__isabstractmethod__", False), spec.kind
+            assert cls.State is not None and attrs.has(cls.State), spec.kind
+        for spec in pipe.worker_stages:
+            assert spec.kind in WORKER_KINDS

@@ -21,7 +21,7 @@ from centralpipe.dispatch.protocol import (
     StageFailure,
     exception_text,
 )
-from centralpipe.pipeline import StageSpec
+from centralpipe.pipeline import WORKER_KINDS, StageSpec
 from centralpipe.seeding import derive_seed
 
 __all__ = ["WorkerChain", "is_stateful"]
@@ -42,7 +42,7 @@ class WorkerChain:
         self.seed = seed
         self._stages = [(s.kind, s.name, s.fn, bool(s.options.get("with_rng"))) for s in specs]
         # 1:1 chains (only maps/collates) skip the per-input output counts.
-        self.one_to_one = all(kind in ("map", "collate") for kind, *_ in self._stages)
+        self.one_to_one = all(WORKER_KINDS[kind].outputs == "one" for kind, *_ in self._stages)
         # Maps without rng run in a tight loop until one raises.
         plain = self.one_to_one and not any(rng for *_, rng in self._stages)
         self._plain_maps = [fn for _, _, fn, _ in self._stages] if plain else None

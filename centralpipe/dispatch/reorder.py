@@ -32,7 +32,7 @@ from typing import Any
 from centralpipe.dispatch.chain import WorkerChain
 from centralpipe.dispatch.protocol import Chunk, ChunkResult, InFlight
 from centralpipe.errors import CheckpointError, WorkerError
-from centralpipe.stages import CentralNode, Count, Shard
+from centralpipe.stages import CentralNode, Count
 
 __all__ = ["FIRST_CHUNK", "Driver", "Stream", "StreamStats"]
 
@@ -117,7 +117,7 @@ class Stream:
         self.cost_per_item = 0.0
         self._burst = 1
         self._readers = 0
-        self._stamped = [n for n in nodes if isinstance(n, (Count, Shard))]
+        self._stamped = [n for n in nodes if n.stamped]
         self._resume: deque[tuple[int, Any, Any]] = deque()
         self._resume_skip: set[int] = set()
         self._resume_skip_first = (-1, 0)

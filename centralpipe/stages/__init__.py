@@ -35,7 +35,8 @@ __all__ = [
 ]
 
 
-#: The node class of each central stage kind (its ``State`` is the kind's state schema).
+#: The node class of each central stage kind: the one home of the kind (how a
+#: spec becomes a node, its state schema, its length rule); see ``CentralNode``.
 NODE_CLASSES: dict[str, type[CentralNode[Any]]] = {
     cls.kind: cls
     for cls in (
@@ -61,39 +62,10 @@ NODE_CLASSES: dict[str, type[CentralNode[Any]]] = {
 def _build_one(
     spec: StageSpec, source: CentralNode[Any] | None, ctx: RunContext
 ) -> CentralNode[Any]:
-    o, name = spec.options, spec.name
-    if spec.kind == "iterable":
-        return IterableSource(o["source"], o["mode"], name=name, ctx=ctx)
-    if spec.kind == "dataset":
-        return DatasetSource(o["source"], name=name, ctx=ctx)
-    if spec.kind == "node":
-        return NodeSource(o["source"], name=name, ctx=ctx)
-    if spec.kind == "mix":
-        return Mix(o["pipelines"], o["weights"], o["stop"], build_central, name=name, ctx=ctx)
-    if spec.kind == "files":
-        return FilesSource(glob=o.get("glob"), paths=o.get("paths"), name=name, ctx=ctx)
-    assert source is not None
-    if spec.kind == "read_lines":
-        return ReadLines(source, encoding=o["encoding"], name=name, ctx=ctx)
-    if spec.kind == "map":
-        return Map(source, spec.fn, name=name, ctx=ctx)
-    if spec.kind == "filter":
-        return Filter(source, spec.fn, name=name, ctx=ctx)
-    if spec.kind == "flat_map":
-        return FlatMap(source, spec.fn, name=name, ctx=ctx)
-    if spec.kind == "batch":
-        return Batch(source, o["batch_size"], o["drop_last"], name=name, ctx=ctx)
-    if spec.kind == "bucket_by_max_tokens":
-        return BucketByMaxTokens(source, spec.fn, name=name, ctx=ctx, **o)
-    if spec.kind == "pack":
-        return Pack(source, spec.fn, name=name, ctx=ctx, **o)
-    if spec.kind == "shuffle":
-        return Shuffle(source, o["buffer_size"], name=name, ctx=ctx)
-    if spec.kind == "count":
-        return Count(source, spec.fn, name=name, ctx=ctx)
-    if spec.kind == "shard":
-        return Shard(source, o["equalize"], name=name, ctx=ctx)
-    raise AssertionError(f"unknown central stage kind {spec.kind!r}")
+    cls = NODE_CLASSES.get(spec.kind)
+    if cls is None:  # pragma: no cover - the builder makes only known kinds
+        raise AssertionError(f"no node class for central stage kind {spec.kind!r}")
+    return cls.from_spec(spec, source, ctx)
 
 
 def build_central(specs: Sequence[StageSpec], ctx: RunContext) -> list[CentralNode[Any]]:

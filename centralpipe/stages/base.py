@@ -14,14 +14,17 @@ from __future__ import annotations
 import abc
 import time
 from collections.abc import Mapping
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import attrs
 from torchdata.nodes import BaseNode
 
 from centralpipe.errors import CheckpointError
 
-__all__ = ["SOURCE_KEY", "CentralNode", "NoState", "RunContext", "add_stage_note"]
+if TYPE_CHECKING:
+    from centralpipe.pipeline import StageSpec
+
+__all__ = ["SOURCE_KEY", "CentralNode", "NoState", "RunContext", "Total", "add_stage_note"]
 
 SOURCE_KEY = "source"
 #: Stage time is measured on one call in this many.
@@ -40,6 +43,22 @@ class RunContext:
 
 
 @attrs.frozen
+class Total:
+    """Items per epoch: exactly ``items``, or at most ``items`` when not ``exact``.
+
+    ``bound_by`` names the first stage that made the count an upper bound
+    (``None`` when exact)."""
+
+    items: int
+    exact: bool = True
+    bound_by: str | None = None
+
+    def at_most(self, stage: str) -> Total:
+        """This total as an upper bound, made one by ``stage`` (if not already)."""
+        return Total(self.items, False, self.bound_by if not self.exact else stage)
+
+
+@attrs.frozen
 class NoState:
     """The state of a stage that keeps none: ``{}``."""
 
@@ -55,9 +74,17 @@ def add_stage_note(exc: BaseException, stage: str) -> None:
 
 
 class CentralNode(BaseNode[T], Generic[T]):
-    """A named central stage; see the module docstring."""
+    """A named central stage; see the module docstring.
+
+    A subclass is the one home of its stage kind: ``kind`` (the spec's kind
+    string), :meth:`from_spec` (the node of a spec), ``State`` and
+    :meth:`check_state` (its checkpoint schema), :meth:`out_total` (its length
+    rule) and ``stamped`` (whether dispatched items carry its totals)."""
 
     kind: str = "node"
+    #: ``count`` and ``shard`` stages: each dispatched item is stamped with
+    #: their totals so ``query(delivered=True)`` is exact (see ``stamp()``).
+    stamped: ClassVar[bool] = False
     #: The attrs class of ``own_state()``: the checkpoint model checks a stage's
     #: state against it before ``restore`` sees it. ``None``: any dict.
     State: ClassVar[type | None] = None
@@ -69,6 +96,21 @@ class CentralNode(BaseNode[T], Generic[T]):
         self.ctx = ctx
         self.items_out = 0
         self.time_s = 0.0
+
+    @classmethod
+    @abc.abstractmethod
+    def from_spec(
+        cls, spec: StageSpec, source: CentralNode[Any] | None, ctx: RunContext
+    ) -> CentralNode[Any]:
+        """The node of ``spec`` reading from ``source`` (``None`` for a source)."""
+
+    def prepare(self) -> None:
+        """Resolve what the stage needs once, when the Loader is built (a glob)."""
+
+    def out_total(self, total: Total) -> Total | None:
+        """Items this stage yields per epoch from ``total`` input items
+        (``None``: only iterating would tell)."""
+        return None
 
     # -- torchdata.nodes protocol ---------------------------------------------
 

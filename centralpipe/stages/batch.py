@@ -19,7 +19,8 @@ import attrs
 from attrs import validators as v
 from torchdata.nodes import BaseNode
 
-from centralpipe.stages.base import CentralNode, NoState, RunContext
+from centralpipe.pipeline import StageSpec
+from centralpipe.stages.base import CentralNode, NoState, RunContext, Total
 from centralpipe.validators import FieldError, checked, int_in, sequence_of
 
 __all__ = ["Batch", "BucketByMaxTokens", "BucketState"]
@@ -60,6 +61,15 @@ class Batch(CentralNode[list[Any]]):
     kind = "batch"
     State = NoState
 
+    @classmethod
+    def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> Batch:
+        o = spec.options
+        return cls(source, o["batch_size"], o["drop_last"], name=spec.name, ctx=ctx)
+
+    def out_total(self, total: Total) -> Total | None:
+        size, n = self._batch_size, total.items
+        return attrs.evolve(total, items=n // size if self._drop_last else -(-n // size))
+
     def __init__(
         self, source: BaseNode[Any], batch_size: int, drop_last: bool, *, name: str, ctx: RunContext
     ) -> None:
@@ -87,6 +97,13 @@ class Batch(CentralNode[list[Any]]):
 class BucketByMaxTokens(CentralNode[list[Any]]):
     kind = "bucket_by_max_tokens"
     State = BucketState
+
+    @classmethod
+    def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> BucketByMaxTokens:
+        return cls(source, spec.fn, name=spec.name, ctx=ctx, **spec.options)
+
+    def out_total(self, total: Total) -> Total | None:
+        return total.at_most(self.name)  # every batch holds at least one item
 
     def __init__(
         self,

@@ -13,7 +13,8 @@ from typing import Any
 import attrs
 from torchdata.nodes import BaseNode
 
-from centralpipe.stages.base import CentralNode, RunContext
+from centralpipe.pipeline import StageSpec
+from centralpipe.stages.base import CentralNode, RunContext, Total
 from centralpipe.validators import NUMBER, FieldError, checked, int_in
 
 __all__ = ["Count", "CountState"]
@@ -31,6 +32,14 @@ class CountState:
 class Count(CentralNode[Any]):
     kind = "count"
     State = CountState
+    stamped = True
+
+    @classmethod
+    def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> Count:
+        return cls(source, spec.fn, name=spec.name, ctx=ctx)
+
+    def out_total(self, total: Total) -> Total | None:
+        return total
 
     def __init__(
         self,

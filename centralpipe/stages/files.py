@@ -19,6 +19,7 @@ from attrs import validators as v
 from torchdata.nodes import BaseNode
 
 from centralpipe.errors import CheckpointError
+from centralpipe.pipeline import StageSpec
 from centralpipe.stages.base import CentralNode, RunContext
 from centralpipe.stages.sources import FilesSource
 from centralpipe.validators import FieldError, checked, int_in
@@ -76,6 +77,10 @@ class ReadLinesState:
 class ReadLines(CentralNode[str]):
     kind = "read_lines"
     State = ReadLinesState
+
+    @classmethod
+    def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> ReadLines:
+        return cls(source, encoding=spec.options["encoding"], name=spec.name, ctx=ctx)
 
     def __init__(self, source: BaseNode[Any], *, encoding: str, name: str, ctx: RunContext) -> None:
         super().__init__(source, name=name, ctx=ctx)

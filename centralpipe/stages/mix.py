@@ -213,6 +213,13 @@ class Mix(CentralNode[Any]):
     kind = "mix"
     State = MixState
 
+    @classmethod
+    def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> Mix:
+        from centralpipe.stages import build_central  # the sources' own chains
+
+        o = spec.options
+        return cls(o["pipelines"], o["weights"], o["stop"], build_central, name=spec.name, ctx=ctx)
+
     def __init__(
         self,
         pipelines: Mapping[str, Pipeline],

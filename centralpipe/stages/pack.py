@@ -36,7 +36,8 @@ from attrs import validators as v
 from torchdata.nodes import BaseNode
 
 from centralpipe.errors import PipelineError
-from centralpipe.stages.base import CentralNode, RunContext
+from centralpipe.pipeline import StageSpec
+from centralpipe.stages.base import CentralNode, RunContext, Total
 from centralpipe.validators import FieldError, checked, int_in, sequence_of
 
 __all__ = ["STRATEGIES", "Pack", "PackState"]
@@ -147,6 +148,13 @@ class _FirstFitTree:
 class Pack(CentralNode[list[Any]]):
     kind = "pack"
     State = PackState
+
+    @classmethod
+    def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> Pack:
+        return cls(source, spec.fn, name=spec.name, ctx=ctx, **spec.options)
+
+    def out_total(self, total: Total) -> Total | None:
+        return total.at_most(self.name)  # every group holds at least one item
 
     def __init__(
         self,

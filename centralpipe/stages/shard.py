@@ -17,7 +17,8 @@ import attrs
 from attrs import validators as v
 from torchdata.nodes import BaseNode
 
-from centralpipe.stages.base import CentralNode, RunContext
+from centralpipe.pipeline import StageSpec
+from centralpipe.stages.base import CentralNode, RunContext, Total
 from centralpipe.validators import FieldError, checked, int_in, sequence_of
 
 __all__ = ["Shard", "ShardState", "shard_length"]
@@ -37,6 +38,15 @@ class ShardState:
 class Shard(CentralNode[Any]):
     kind = "shard"
     State = ShardState
+    stamped = True
+
+    @classmethod
+    def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> Shard:
+        return cls(source, spec.options["equalize"], name=spec.name, ctx=ctx)
+
+    def out_total(self, total: Total) -> Total | None:
+        n = shard_length(total.items, self._equalize, self.ctx.rank, self.ctx.world_size)
+        return attrs.evolve(total, items=n)
 
     def __init__(
         self, source: BaseNode[Any], equalize: str | None, *, name: str, ctx: RunContext

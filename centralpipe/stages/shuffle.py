@@ -15,8 +15,9 @@ import attrs
 from attrs import validators as v
 from torchdata.nodes import BaseNode
 
+from centralpipe.pipeline import StageSpec
 from centralpipe.seeding import derive_seed
-from centralpipe.stages.base import CentralNode, RunContext
+from centralpipe.stages.base import CentralNode, RunContext, Total
 from centralpipe.validators import FieldError, checked, sequence_of
 
 __all__ = ["Shuffle", "ShuffleState"]
@@ -55,6 +56,13 @@ class ShuffleState:
 class Shuffle(CentralNode[Any]):
     kind = "shuffle"
     State = ShuffleState
+
+    @classmethod
+    def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> Shuffle:
+        return cls(source, spec.options["buffer_size"], name=spec.name, ctx=ctx)
+
+    def out_total(self, total: Total) -> Total | None:
+        return total
 
     def __init__(
         self, source: BaseNode[Any], buffer_size: int, *, name: str, ctx: RunContext

@@ -20,6 +20,7 @@ from attrs import validators as v
 from torchdata.nodes import BaseNode
 
 from centralpipe.errors import CheckpointError, PipelineError
+from centralpipe.pipeline import StageSpec
 from centralpipe.stages.base import CentralNode, RunContext
 from centralpipe.validators import FieldError, checked, int_in
 
@@ -64,6 +65,11 @@ class IterableSource(CentralNode[Any]):
 
     kind = "iterable"
     State = IndexState
+
+    @classmethod
+    def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> IterableSource:
+        o = spec.options
+        return cls(o["source"], o["mode"], name=spec.name, ctx=ctx)
 
     def __init__(self, iterable: Any, mode: str, *, name: str, ctx: RunContext) -> None:
         super().__init__(None, name=name, ctx=ctx)
@@ -117,6 +123,10 @@ class DatasetSource(IterableSource):
 
     kind = "dataset"
 
+    @classmethod
+    def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> DatasetSource:
+        return cls(spec.options["source"], name=spec.name, ctx=ctx)
+
     def __init__(self, dataset: Any, *, name: str, ctx: RunContext) -> None:
         super().__init__(dataset, "sequence", name=name, ctx=ctx)
 
@@ -129,6 +139,10 @@ class NodeSource(CentralNode[Any]):
 
     kind = "node"
     State = NodeState
+
+    @classmethod
+    def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> NodeSource:
+        return cls(spec.options["source"], name=spec.name, ctx=ctx)
 
     def __init__(self, node: BaseNode[Any], *, name: str, ctx: RunContext) -> None:
         super().__init__(None, name=name, ctx=ctx)
@@ -166,6 +180,11 @@ class FilesSource(CentralNode[str]):
 
     kind = "files"
     State = FilesState
+
+    @classmethod
+    def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> FilesSource:
+        o = spec.options
+        return cls(glob=o.get("glob"), paths=o.get("paths"), name=spec.name, ctx=ctx)
 
     def __init__(
         self,

@@ -3,6 +3,10 @@
 :func:`chain_totals` walks a plan and gives each stage a :class:`Total` (an
 item count, *exact* or only an *upper bound*) or ``None`` (unknown). The rules:
 
+Each central kind's rule is its node class's ``out_total`` (the kind's one
+home), each worker kind's is in ``pipeline.WORKER_KINDS``; sources and
+``read_lines``/``mix``, which need the chain around them, are walked here:
+
 - sources with a length (sequences, datasets, file lists): exact;
 - ``read_lines`` after ``from_files`` (with only ``shuffle``/``count`` between):
   the files' line counts, exact (counted over the raw bytes, cached per file by
@@ -23,38 +27,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
-
-from centralpipe.pipeline import StageSpec
-from centralpipe.stages.base import RunContext
+from centralpipe.pipeline import WORKER_KINDS, StageSpec
+from centralpipe.stages.base import RunContext, Total
 from centralpipe.stages.files import count_lines
 from centralpipe.stages.mix import Mix
-from centralpipe.stages.shard import shard_length
 from centralpipe.stages.sources import FilesSource
 
 __all__ = ["Total", "chain_totals", "first_unknown"]
 
-SAME = ("map", "count", "shuffle", "collate")
-AT_MOST_INPUT = ("filter", "bucket_by_max_tokens", "pack")
 #: Stages between from_files and read_lines that keep the set of paths.
 SAME_PATHS = ("count", "shuffle")
 SUBSET_PATHS = ("filter", "shard")
-
-
-@attrs.frozen
-class Total:
-    """Items per epoch: exactly ``items``, or at most ``items`` when not ``exact``.
-
-    ``bound_by`` names the first stage that made the count an upper bound
-    (``None`` when exact)."""
-
-    items: int
-    exact: bool = True
-    bound_by: str | None = None
-
-
-def _bound(total: Total, items: int, stage: str) -> Total:
-    return Total(items, False, total.bound_by if not total.exact else stage)
 
 
 def _read_lines_total(
@@ -121,18 +104,11 @@ def chain_totals(
             pass
         elif kind == "read_lines":
             total = _read_lines_total(specs, nodes, i, count_files)
-        elif kind in SAME:
-            pass
-        elif kind in AT_MOST_INPUT:
-            total = _bound(total, total.items, name)
-        elif kind == "batch":
-            size, drop = spec.options["batch_size"], spec.options["drop_last"]
-            n = total.items // size if drop else -(-total.items // size)
-            total = attrs.evolve(total, items=n)
-        elif kind == "shard":
-            n = shard_length(total.items, spec.options["equalize"], ctx.rank, ctx.world_size)
-            total = attrs.evolve(total, items=n)
-        else:  # flat_map, and kinds without a rule
+        elif node is not None:
+            total = node.out_total(total)  # each central kind's own rule
+        elif kind in WORKER_KINDS:
+            total = WORKER_KINDS[kind].out_total(total, name)
+        else:
             total = None
         out[name] = total
     return out

@@ -14,7 +14,8 @@ from typing import Any
 import attrs
 from torchdata.nodes import BaseNode
 
-from centralpipe.stages.base import CentralNode, NoState, RunContext
+from centralpipe.pipeline import StageSpec
+from centralpipe.stages.base import CentralNode, NoState, RunContext, Total
 from centralpipe.validators import FieldError, checked, sequence_of
 
 __all__ = ["Filter", "FlatMap", "FlatMapState", "Map"]
@@ -30,6 +31,13 @@ class FlatMapState:
 class Map(CentralNode[Any]):
     kind = "map"
     State = NoState
+
+    @classmethod
+    def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> Map:
+        return cls(source, spec.fn, name=spec.name, ctx=ctx)
+
+    def out_total(self, total: Total) -> Total | None:
+        return total
 
     def max_items_out(self, state: Any, bound_in: int | None) -> int | None:
         return bound_in
@@ -48,6 +56,13 @@ class Map(CentralNode[Any]):
 class Filter(CentralNode[Any]):
     kind = "filter"
     State = NoState
+
+    @classmethod
+    def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> Filter:
+        return cls(source, spec.fn, name=spec.name, ctx=ctx)
+
+    def out_total(self, total: Total) -> Total | None:
+        return total.at_most(self.name)
 
     def max_items_out(self, state: Any, bound_in: int | None) -> int | None:
         return bound_in
@@ -70,6 +85,10 @@ class Filter(CentralNode[Any]):
 class FlatMap(CentralNode[Any]):
     kind = "flat_map"
     State = FlatMapState
+
+    @classmethod
+    def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> FlatMap:
+        return cls(source, spec.fn, name=spec.name, ctx=ctx)
 
     def __init__(
         self,

@@ -50,6 +50,9 @@ class Reduced:
 
 def _bytes_of_tensor(t: torch.Tensor) -> bytes:
     flat = t.detach().reshape(-1).contiguous()
+    # A one-element tensor counts as contiguous whatever its stride (e.g. 3 for
+    # a column of a row), and view() needs stride 1: give it that stride.
+    flat = flat.as_strided((flat.numel(),), (1,))
     return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
 
 

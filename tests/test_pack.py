@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import centralpipe as cp
 from centralpipe.testing import assert_resumes_exactly, collect
@@ -342,3 +344,21 @@ def test_attention_mask_is_block_diagonal_and_causal() -> None:
     assert not out.isnan().any()
     with pytest.raises(TypeError, match="segment_ids"):
         cp.packing.attention_mask([0, 0, 1])  # type: ignore[arg-type]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 40), max_size=120),
+    max_tokens=st.integers(1, 40),
+    buffer=st.integers(1, 30),
+    strategy=st.sampled_from(["first_fit", "best_fit"]),
+)
+def test_pack_property_matches_the_reference(
+    lengths: list[int], max_tokens: int, buffer: int, strategy: str
+) -> None:
+    """For any lengths, budget and buffer, pack() equals the plainly written rule."""
+    lengths = [min(n, max_tokens) for n in lengths]
+    pipe = cp.Pipeline.from_iterable(list(range(len(lengths)))).pack(
+        max_tokens, len_fn=lengths.__getitem__, strategy=strategy, buffer_size=buffer
+    )
+    assert _run(pipe) == reference_pack(lengths, max_tokens, strategy, buffer)

@@ -151,8 +151,10 @@ class LoaderConfig:
         distributed: this process's rank and the world size.
         seed: an int in ``[0, 2**64)``. Every random stream (``shuffle``,
             ``map(..., with_rng=True)``) is derived from ``(seed, epoch, ...)``
-            mixed as 64-bit values, so each seed in that range gives its own
-            streams; a larger seed would repeat a smaller one's and is refused.
+            mixed as 64-bit values: a larger seed would repeat the streams of
+            one in the range (``2**64`` those of ``0``) and is refused. In the
+            range, the mix is a 64-bit bijection cut to 63 bits, so two seeds
+            share a stream only by a 2**-63 chance.
     """
 
     workers: WorkerConfig = attrs.field(factory=WorkerConfig, validator=_instance(WorkerConfig))

@@ -8,6 +8,8 @@ same for any number of workers.
 
 from centralpipe import packing as packing
 from centralpipe.config import DistributedConfig, LoaderConfig, WorkerConfig
+from centralpipe.distributed import gather_states
+from centralpipe.elastic import merge_states
 from centralpipe.errors import (
     CentralpipeError,
     CheckpointError,
@@ -32,6 +34,8 @@ __all__ = [
     "Total",
     "WorkerConfig",
     "WorkerError",
+    "gather_states",
+    "merge_states",
     "progress",
 ]
 

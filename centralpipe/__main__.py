@@ -203,10 +203,18 @@ def summarize(sd: Mapping[str, Any], *, source: str = "") -> str:
     state = "finished" if finished else "in progress" if finished is not None else "?"
     add(f"  epoch: {sd.get('epoch')!r} ({state})")
     dist = _mapping(sd.get("distributed"))
-    add(f"  rank / world size: {dist.get('rank', '?')} / {dist.get('world_size', '?')}")
+    if dist.get("merged"):
+        add(
+            f"  global state: merged from {dist.get('world_size', '?')} ranks "
+            "(cp.merge_states); loads on any world size"
+        )
+    else:
+        add(f"  rank / world size: {dist.get('rank', '?')} / {dist.get('world_size', '?')}")
     add(f"  seed: {sd.get('seed')!r}")
     position = _mapping(sd.get("position"))
     add(f"  pre_shard_index: {position.get('pre_shard_index')!r}")
+    if "delivered" in position:
+        add(f"  delivered this epoch: {position['delivered']!r} items")
     for boundary, raw in _mapping(sd.get("in_flight")).items():
         flight = _mapping(raw)
         items = flight.get("items")

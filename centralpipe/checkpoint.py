@@ -49,6 +49,7 @@ __all__ = [
     "Checkpoint",
     "Distributed",
     "Position",
+    "rank_mismatch",
     "structure",
     "structure_state",
     "unstructure",
@@ -68,12 +69,20 @@ def _count(name: str = "an int >= 0") -> Any:
 
 
 def _is_stamp_entry(_inst: Any, _attr: attrs.Attribute[Any], value: Any) -> None:
-    # A shard stamps its index (int); a count stamps (items, weight).
+    # A shard stamps its index (int), or [index, *count totals the item
+    # arrived with] when counts precede it; a count stamps (items, weight).
     if isinstance(value, int) and not isinstance(value, bool):
         if not 0 <= value < INT64_END:
             raise ValueError(value)
         return
-    if not isinstance(value, (list, tuple)) or len(value) != 2:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise TypeError(value)
+    if all(isinstance(x, (list, tuple)) for x in value[1:]):  # a shard's [index, *counts]
+        int_in(0, INT64_END)(_inst, _attr, value[0])
+        for pair in value[1:]:
+            _is_stamp_entry(_inst, _attr, pair)
+        return
+    if len(value) != 2:
         raise TypeError(value)
     items, weight = value
     int_in(0, INT64_END)(_inst, _attr, items)
@@ -89,6 +98,11 @@ STAMP_TEXT = "a list of shard indexes (int >= 0) and count totals ([items, weigh
 class Distributed:
     rank: int = attrs.field(validator=_count())
     world_size: int = attrs.field(validator=checked(FieldError, "an int >= 1", int_in(1)))
+    #: A global state (``merge_states``): loads on any rank of any world size;
+    #: ``world_size`` is the one it was merged from.
+    merged: bool = attrs.field(
+        default=False, validator=checked(FieldError, "a bool", v.instance_of(bool))
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.rank >= self.world_size:
@@ -100,6 +114,8 @@ class Position:
     pre_shard_index: int | None = attrs.field(
         validator=checked(FieldError, "None or an int >= 0", v.optional(int_in(0, INT64_END)))
     )
+    #: Outputs delivered this epoch (since its start or its last elastic resume).
+    delivered: int = attrs.field(default=0, validator=_count())
 
 
 @attrs.frozen(kw_only=True)
@@ -333,13 +349,8 @@ def check_pipeline(ckpt: Checkpoint, want: Expected) -> dict[str, Any]:
         )
         raise CheckpointError(msg)
     dist = ckpt.distributed
-    if (dist.rank, dist.world_size) != (want.rank, want.world_size):
-        msg = (
-            f"checkpoint is of rank {dist.rank} of {dist.world_size}, this loader is rank "
-            f"{want.rank} of {want.world_size}; each rank must load its own checkpoint "
-            "(taken on the same world size)."
-        )
-        raise CheckpointError(msg)
+    if not dist.merged and (dist.rank, dist.world_size) != (want.rank, want.world_size):
+        raise CheckpointError(rank_mismatch(dist.rank, dist.world_size, want.rank, want.world_size))
     names = [node.name for node in want.nodes]
     if sorted(ckpt.central) != sorted(names):
         missing = [n for n in names if n not in ckpt.central]
@@ -400,12 +411,20 @@ def _check_boundary(
             _fail(where, f"{len(stamped)} entries ({kinds_text})", stamp)
         for i, (kind, entry) in enumerate(zip(stamped, stamp)):
             is_index = isinstance(entry, int)
-            if is_index != (kind == "shard"):
-                _fail(
-                    f"{where}[{i}]", "an int index" if kind == "shard" else "[items, weight]", entry
+            shard_entry = kind == "shard" and (
+                is_index or all(isinstance(x, (list, tuple)) for x in entry[1:])
+            )
+            count_entry = kind != "shard" and not is_index and len(entry) == 2
+            if not (shard_entry or count_entry):
+                expected = (
+                    "an int index or [index, *counts]" if kind == "shard" else "[items, weight]"
                 )
+                _fail(f"{where}[{i}]", expected, entry)
             value = entry if is_index else entry[0]
-            if not previous[i] <= value <= now[i]:
+            # A global state's delivered view may be ahead of the furthest-behind
+            # rank's stages (equalize=None): those items are dropped on resume.
+            ahead_ok = ckpt.distributed.merged and where == "delivered_stamp"
+            if not previous[i] <= value <= (value if ahead_ok else now[i]):
                 expected = f"between {previous[i]} and the stage's {now[i]}"
                 _fail(f"{where}[{i}]", expected, entry)
             previous[i] = value
@@ -425,4 +444,25 @@ def _fingerprint_diff(ckpt: list[Any], current: list[list[str]]) -> str:
     return (
         f"checkpoint is of another pipeline: it has {len(ckpt)} stages, this pipeline "
         f"has {len(current)}."
+    )
+
+
+def rank_mismatch(ckpt_rank: Any, ckpt_world: Any, rank: int, world_size: int) -> str:
+    """Why a per-rank state cannot load here, and what to do instead."""
+    if ckpt_world == world_size:
+        return (
+            f"checkpoint is the state of rank {ckpt_rank} of {ckpt_world}, but this loader is "
+            f"rank {rank} of {world_size}: each rank must load its own state. If every rank "
+            "saved loader.state_dict() under the same key (e.g. with "
+            "torch.distributed.checkpoint, which then keeps one rank's copy), save it under a "
+            "per-rank key instead, or save one global state from cp.gather_states(loader) "
+            "(cp.merge_states of every rank's state), which loads on any rank; see "
+            "docs/distributed.md."
+        )
+    return (
+        f"checkpoint is the state of rank {ckpt_rank} of {ckpt_world}, but this loader is "
+        f"rank {rank} of {world_size}: a per-rank state resumes only on its own rank of the "
+        "same world size. To continue on another world size, merge the states of all "
+        f"{ckpt_world} ranks with cp.merge_states([...]) (or cp.gather_states(loader) under "
+        "torch.distributed) and load that global state on every rank."
     )

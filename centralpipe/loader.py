@@ -174,6 +174,7 @@ class Loader(Generic[T]):
                         flight["skip"],
                     ),
                     delivered_stamp=_tuplify(resume.get("delivered_stamp")),
+                    delivered=int((resume.get("position") or {}).get("delivered") or 0),
                 )
             except BaseException:
                 # The central stages stay at the checkpoint's position.
@@ -184,7 +185,9 @@ class Loader(Generic[T]):
             self._ctx.epoch = epoch
             try:
                 self._nodes[-1].load_flat(None)
-                run = self._make_run(epoch=epoch, next_seq=0, resume=None, delivered_stamp=None)
+                run = self._make_run(
+                    epoch=epoch, next_seq=0, resume=None, delivered_stamp=None, delivered=0
+                )
             except BaseException:
                 self._ctx.epoch = self.epoch
                 raise
@@ -208,7 +211,13 @@ class Loader(Generic[T]):
         self.epoch = epoch - 1
 
     def _make_run(
-        self, *, epoch: int, next_seq: int, resume: InFlight | None, delivered_stamp: Any
+        self,
+        *,
+        epoch: int,
+        next_seq: int,
+        resume: InFlight | None,
+        delivered_stamp: Any,
+        delivered: int,
     ) -> Stream:
         w = self._config.workers
         common: dict[str, Any] = {
@@ -218,6 +227,7 @@ class Loader(Generic[T]):
             "next_seq": next_seq,
             "resume": resume,
             "delivered_stamp": delivered_stamp,
+            "delivered": delivered,
             "buffer_size": w.buffer_size,
             "chunk_size": w.chunk_size,
             "on_error": w.on_error,
@@ -312,6 +322,7 @@ class Loader(Generic[T]):
                 },
                 "delivered_stamp": None,
                 "finished": True,
+                "delivered": 0,
             }
         dist = self._config.distributed
         stamp = body["delivered_stamp"]
@@ -321,11 +332,16 @@ class Loader(Generic[T]):
             "seed": self._config.seed,
             "epoch": self.epoch,
             "finished": body["finished"],
-            "distributed": {"rank": dist.rank, "world_size": dist.world_size},
+            # "merged" is always present, so a state_dict() used as the template
+            # of torch.distributed.checkpoint's load receives a global state's flag.
+            "distributed": {"rank": dist.rank, "world_size": dist.world_size, "merged": False},
             "central": body["central"],
             "in_flight": {self._boundary: {"next_seq": body["next_seq"], **body["in_flight"]}},
             "delivered_stamp": stamp,
-            "position": {"pre_shard_index": self._pre_shard_index(stamp)},
+            "position": {
+                "pre_shard_index": self._pre_shard_index(stamp),
+                "delivered": body["delivered"],
+            },
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -523,7 +539,10 @@ class Loader(Generic[T]):
     def _pre_shard_index(self, stamp: Any) -> int | None:
         for i, node in enumerate(self._stamped):
             if isinstance(node, Shard):
-                return int(stamp[i]) if stamp is not None else node.index
+                if stamp is None:
+                    return node.index
+                entry = stamp[i]
+                return int(entry[0] if isinstance(entry, (list, tuple)) else entry)
         return None
 
 

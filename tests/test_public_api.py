@@ -20,6 +20,8 @@ PUBLIC_NAMES = [
     "Total",
     "WorkerConfig",
     "WorkerError",
+    "gather_states",
+    "merge_states",
     "progress",
 ]
 

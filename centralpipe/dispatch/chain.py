@@ -90,8 +90,11 @@ class WorkerChain:
         items: Sequence[Any],
         skip: frozenset[int] = frozenset(),
         status: Any = None,
+        rng_key: tuple[int, int] | None = None,
     ) -> ChunkResult:
-        """Run every input of a chunk; a failing input is recorded, not raised."""
+        """Run every input of a chunk; a failing input is recorded, not raised.
+        ``rng_key`` is ``(key of input 0, step)`` for ``with_rng`` (default: seq)."""
+        key0, step = rng_key if rng_key is not None else (first_seq, 1)
         start = time.perf_counter()
         outputs: list[Any] = []
         counts: list[int] = []
@@ -122,7 +125,7 @@ class WorkerChain:
                 if status is not None:
                     status[STATUS_STAGE] = stage_index
                 try:
-                    values = self._apply(kind, name, fn, with_rng, values, epoch, seq)
+                    values = self._apply(kind, name, fn, with_rng, values, epoch, key0 + i * step)
                 except Exception as exc:
                     failures.append(
                         StageFailure(
@@ -150,11 +153,11 @@ class WorkerChain:
         with_rng: bool,
         values: list[Any],
         epoch: int,
-        seq: int,
+        key: int,
     ) -> list[Any]:
         if kind in ("map", "collate"):
             if with_rng:
-                rng = self.make_rng(epoch, seq, name)
+                rng = self.make_rng(epoch, key, name)
                 return [fn(v, rng) for v in values]
             return [fn(v) for v in values]
         if kind == "filter":
@@ -163,11 +166,12 @@ class WorkerChain:
             return [out for v in values for out in fn(v)]
         raise AssertionError(f"unknown worker stage kind {kind!r}")
 
-    def make_rng(self, epoch: int, seq: int, stage: str) -> Any:
+    def make_rng(self, epoch: int, key: int, stage: str) -> Any:
+        """The generator of item ``key`` (its seq, or its stream position with a shard)."""
         import torch
 
         rng = torch.Generator()
-        rng.manual_seed(derive_seed(self.seed, epoch, seq, stage))
+        rng.manual_seed(derive_seed(self.seed, epoch, key, stage))
         return rng
 
     def states(self) -> dict[str, Any]:

@@ -7,7 +7,7 @@ framing), so a different transport plugs in at one place.
 
 Messages (tuples, first element the kind):
 
-- ``(MSG_CHUNK, run_id, cid, epoch, first_seq, items, skip, per_item)`` main → worker
+- ``(MSG_CHUNK, run_id, cid, epoch, first_seq, items, skip, per_item, rng_key)`` main → worker
 - ``(MSG_RESULT, run_id, cid, ChunkResult)`` worker → main
 - ``(MSG_STATES,)`` main → worker, answered by ``(MSG_STATES, states)``
 
@@ -183,13 +183,29 @@ def recv(conn: Connection) -> Any:
 
 
 def chunk_message(
-    run_id: int, chunk: Chunk, epoch: int, items: list[Any], skip: frozenset[int]
+    run_id: int,
+    chunk: Chunk,
+    epoch: int,
+    items: list[Any],
+    skip: frozenset[int],
+    rng_key: tuple[int, int],
 ) -> tuple[Any, ...]:
-    """The ``MSG_CHUNK`` message of ``chunk`` with these items."""
+    """The ``MSG_CHUNK`` message of ``chunk`` with these items; ``rng_key`` is
+    the ``with_rng`` key of its first item and the step between items."""
     sealed: Any = (
         [transport.Sealed(x) for x in items] if chunk.per_item else transport.Sealed(items)
     )
-    return (MSG_CHUNK, run_id, chunk.cid, epoch, chunk.first_seq, sealed, skip, chunk.per_item)
+    return (
+        MSG_CHUNK,
+        run_id,
+        chunk.cid,
+        epoch,
+        chunk.first_seq,
+        sealed,
+        skip,
+        chunk.per_item,
+        rng_key,
+    )
 
 
 def seal_outputs(result: ChunkResult, per_item: bool) -> ChunkResult:

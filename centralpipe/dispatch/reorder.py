@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import logging
 import operator
 import threading
@@ -32,7 +33,7 @@ from typing import Any
 from centralpipe.dispatch.chain import WorkerChain
 from centralpipe.dispatch.protocol import Chunk, ChunkResult, InFlight
 from centralpipe.errors import CheckpointError, WorkerError
-from centralpipe.stages import CentralNode, Count
+from centralpipe.stages import CentralNode, Shard
 
 __all__ = ["FIRST_CHUNK", "Driver", "Stream", "StreamStats"]
 
@@ -84,6 +85,7 @@ class Stream:
         next_seq: int,
         resume: InFlight | None,
         delivered_stamp: Any,
+        delivered: int = 0,
         buffer_size: int | None,
         chunk_size: int | None,
         on_error: str,
@@ -110,6 +112,9 @@ class Stream:
         self.next_cid = 0
         self.in_flight = 0
         self.exhausted = False
+        #: Outputs delivered this epoch (since its start or its last elastic
+        #: resume) before the current chunk: the "step count" of a checkpoint.
+        self.delivered = delivered
         self.central_error: BaseException | None = None
         self.finished = False
         self.broken = False
@@ -118,6 +123,13 @@ class Stream:
         self._burst = 1
         self._readers = 0
         self._stamped = [n for n in nodes if n.stamped]
+        self._getters = self._stamp_getters()
+        # with_rng keys: an item's stream position (rank r of W gets base + s*W + r),
+        # so its random stream is the same on any world size; seq without a shard.
+        shard = next((n for n in nodes if isinstance(n, Shard)), None)
+        self._key = (
+            (0, 1, 0) if shard is None else (shard.base, shard.ctx.world_size, shard.ctx.rank)
+        )
         self._resume: deque[tuple[int, Any, Any]] = deque()
         self._resume_skip: set[int] = set()
         self._resume_skip_first = (-1, 0)
@@ -136,12 +148,32 @@ class Stream:
 
     # -- stamps ----------------------------------------------------------------
 
+    def _stamp_getters(self) -> list[Any]:
+        """One getter per stamped node. A count before a shard is read through
+        the shard: the totals as the item reached it (after an elastic resume
+        its queued items carry their own)."""
+        getters: list[Any] = []
+        shards = [n for n in self._stamped if isinstance(n, Shard)]
+        for n in self._stamped:
+            if isinstance(n, Shard):
+                getters.append(n.stamp)
+                continue
+            owner = next((s for s in shards if n in s.counts), None)
+            if owner is None:
+                getters.append(n.totals)
+            else:
+                getters.append(functools.partial(owner.count_stamp, owner.counts.index(n)))
+        return getters
+
     def _stamp_now(self) -> Any:
         if not self._stamped:
             return None
-        return tuple(
-            (n.items, n.weight) if isinstance(n, Count) else n.index for n in self._stamped
-        )
+        return tuple(get() for get in self._getters)
+
+    def rng_key(self, chunk: Chunk) -> tuple[int, int]:
+        """The ``with_rng`` key of the chunk's first item, and the step between items."""
+        base, world, rank = self._key
+        return (base + chunk.first_seq * world + rank, world)
 
     def stamped_nodes(self) -> list[CentralNode[Any]]:
         return self._stamped
@@ -267,7 +299,9 @@ class Stream:
             self.in_flight -= len(chunk.items)
             if chunk.stamps:
                 self.last_stamp = chunk.stamps[-1]
-            self.stats.delivered += len(chunk.result.outputs) if chunk.result else 0
+            done = len(chunk.result.outputs) if chunk.result else 0
+            self.stats.delivered += done
+            self.delivered += done
             self.current = None
             self._cur_it = None
             self.cond.notify_all()
@@ -365,6 +399,8 @@ class Stream:
                 },
                 "delivered_stamp": delivered_stamp,
                 "finished": self.finished,
+                "delivered": self.delivered
+                + (self._delivered_in_current() if self.current is not None else 0),
             }
 
     def delivered_stamp(self) -> Any:

@@ -188,7 +188,9 @@ class InlineDriver(Driver):
         # The worker stages get a copy, as a worker would: a stage that mutates
         # its item in place must not change the checkpoint's in-flight items.
         items = copy_items(s, chunk)
-        result = s.chain.run_chunk(s.epoch, chunk.first_seq, items, run_skip(chunk))
+        result = s.chain.run_chunk(
+            s.epoch, chunk.first_seq, items, run_skip(chunk), None, s.rng_key(chunk)
+        )
         chunk.result = s.accept(chunk, result)
         return chunk
 
@@ -246,7 +248,9 @@ class Feeder:
                 return
 
             def message(items: list[Any]) -> tuple[Any, ...]:
-                return protocol.chunk_message(self.run_id, chunk, s.epoch, items, run_skip(chunk))
+                return protocol.chunk_message(
+                    self.run_id, chunk, s.epoch, items, run_skip(chunk), s.rng_key(chunk)
+                )
 
             try:
                 encoded = protocol.encode(message(chunk.items))

@@ -129,10 +129,10 @@ def worker_main(
             break
         kind = msg[0]
         if kind == MSG_CHUNK:
-            _, run_id, cid, epoch, first_seq, items, skip, per_item = msg
+            _, run_id, cid, epoch, first_seq, items, skip, per_item, rng_key = msg
             if run_id < current_run.value:
                 continue  # the main process abandoned that run
-            result = _run(chain, epoch, first_seq, items, skip, per_item, status)
+            result = _run(chain, epoch, first_seq, items, skip, per_item, status, rng_key)
             if not _send_result(conn, run_id, cid, result, per_item, chain):
                 break
         elif kind == MSG_STATES:
@@ -152,6 +152,7 @@ def _run(
     skip: frozenset[int],
     per_item: bool,
     status: Any,
+    rng_key: tuple[int, int],
 ) -> ChunkResult:
     """Run a chunk whose items arrived sealed (see ``protocol``)."""
     if not per_item:
@@ -159,7 +160,7 @@ def _run(
             # Some item cannot be unpickled here: the main process re-sends
             # the chunk per item to find out which.
             return ChunkResult(items, None, None, 0.0)  # type: ignore[arg-type]
-        return chain.run_chunk(epoch, first_seq, items, skip, status)
+        return chain.run_chunk(epoch, first_seq, items, skip, status, rng_key)
     bad = []
     for i, item in enumerate(items):
         if isinstance(item, protocol.Undecodable):
@@ -168,7 +169,7 @@ def _run(
     if bad:
         skip = frozenset(skip).union(f.at for f in bad)
         items = [None if i in skip else x for i, x in enumerate(items)]
-    result = chain.run_chunk(epoch, first_seq, items, skip, status)
+    result = chain.run_chunk(epoch, first_seq, items, skip, status, rng_key)
     if bad:
         counts = result.counts or [1] * len(items)
         failures = sorted([*(result.failures or ()), *bad], key=lambda f: f.at)

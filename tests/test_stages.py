@@ -266,7 +266,8 @@ def test_read_lines_resumes_by_byte_offset_without_rereading(
             remaining = sum(sizes)
         else:
             i, offset = OFFSETS[k - 1]
-            assert line_state == {"path": tmp_corpus[i], "offset": offset}
+            # Named relative to the files' root (their common parent): the data may move.
+            assert line_state == {"path": Path(tmp_corpus[i]).name, "offset": offset}
             assert file_index == i + 1
             remaining = sizes[i] - offset + sum(sizes[file_index:])
         counter = {"lines": 0, "other": 0}
@@ -287,19 +288,20 @@ def test_read_lines_resumes_at_the_end_of_an_unterminated_file(tmp_path: Path) -
     path.write_bytes(b"one\ntwo")
     pipe = cp.Pipeline.from_files([str(path)]).read_lines()
     state = _take_state(pipe, 2, LOCKSTEP)
-    assert state["central"]["read_lines_1"] == {"path": str(path), "offset": 7}
+    assert state["central"]["read_lines_1"] == {"path": "x.txt", "offset": 7}
     with cp.Loader(pipe, LOCKSTEP) as loader:
         loader.load_state_dict(state)
         assert collect(loader) == []
 
 
 def test_read_lines_refuses_an_offset_inside_a_line(tmp_path: Path) -> None:
-    """A file changed so that the offset falls inside a line is a `CheckpointError`."""
+    """A file changed so that the offset falls inside a line is a `CheckpointError`
+    (a change of size is refused earlier, by the files stage)."""
     path = tmp_path / "x.txt"
     path.write_bytes(b"one\ntwo\nthree\n")
     pipe = cp.Pipeline.from_files([str(path)]).read_lines()
     state = _take_state(pipe, 1, LOCKSTEP)
-    path.write_bytes(b"a longer first line\ntwo\n")
+    path.write_bytes(b"on\netwo\nthree\n")  # same size, line starts moved
     with (
         cp.Loader(pipe) as loader,
         pytest.raises(cp.CheckpointError, match="not the start of a line"),

@@ -112,7 +112,20 @@ class ReadLines(CentralNode[str]):
                 raise
 
     def own_state(self) -> dict[str, Any]:
-        return {PATH_KEY: self._path, OFFSET_KEY: self._offset}
+        path = self._path
+        if path is not None and isinstance(self.source, FilesSource):
+            # Relative to the files stage's root: the dataset may move.
+            path = self.source.name_of(path)
+        return {PATH_KEY: path, OFFSET_KEY: self._offset}
+
+    def _resolve(self, path: str) -> str:
+        """The file a checkpoint's ``path`` names here (relative to the files
+        stage's root when this stage reads from one)."""
+        if isinstance(self.source, FilesSource):
+            found = self.source.path_of(path)
+            if found is not None:
+                return found
+        return path
 
     def check_state(self, state: ReadLinesState, states: Mapping[str, Any]) -> None:
         path, offset = state.path, state.offset
@@ -121,7 +134,7 @@ class ReadLines(CentralNode[str]):
             index = states[self.source.name].index
             paths = self.source.paths
             current = paths[index - 1] if 0 < index <= len(paths) else None
-            if path is not None and path != current:
+            if path is not None and self._resolve(path) != current:
                 expected = (
                     f"{current!r}, the file at index {index - 1} of stage '{self.source.name}'"
                     if current is not None
@@ -130,7 +143,7 @@ class ReadLines(CentralNode[str]):
                 raise FieldError("path", expected, path)
         if path is None:
             return
-        self._check_line_start(path, offset)
+        self._check_line_start(self._resolve(path), offset)
 
     def _check_line_start(self, path: str, offset: int) -> None:
         try:
@@ -171,7 +184,7 @@ class ReadLines(CentralNode[str]):
         if state is None or state[PATH_KEY] is None:
             return
         # check_state() found the offset at a line start of this file.
-        self._open(state[PATH_KEY], state[OFFSET_KEY])
+        self._open(self._resolve(state[PATH_KEY]), state[OFFSET_KEY])
 
     def release(self) -> None:
         self._close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob as globlib
 import hashlib
 import itertools
+import os
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -36,6 +37,10 @@ __all__ = [
 
 INDEX_KEY = "index"
 FILES_KEY = "files"
+LISTING_KEY = "listing"
+#: Checkpoints list the files (names and sizes) up to this many, to say what changed.
+LISTING_MAX = 10_000
+_GLOB_MAGIC = frozenset("*?[")
 NODE_KEY = "node"
 
 
@@ -57,7 +62,12 @@ class NodeState:
 @attrs.frozen(kw_only=True)
 class FilesState:
     index: int = attrs.field(validator=_INDEX)
+    #: Digest of the file list: names relative to the root, and sizes.
     files: str = attrs.field(validator=checked(FieldError, "a str", v.instance_of(str)))
+    #: ``"name\tsize\n"`` per file (up to ``LISTING_MAX`` files), to say what changed.
+    listing: str | None = attrs.field(
+        default=None, validator=checked(FieldError, "None or a str", v.optional(v.instance_of(str)))
+    )
 
 
 class IterableSource(CentralNode[Any]):
@@ -176,7 +186,11 @@ class NodeSource(CentralNode[Any]):
 
 class FilesSource(CentralNode[str]):
     """Paths from a glob (sorted) or a list (in order), resolved once by
-    :meth:`prepare` when the Loader starts."""
+    :meth:`prepare` when the Loader starts.
+
+    Checkpoints name files relative to a *root* — a glob's leading directories
+    without wildcards, or a list's common parent directory — with their sizes,
+    so a dataset moved or copied elsewhere (e.g. to local scratch) resumes."""
 
     kind = "files"
     State = FilesState
@@ -197,23 +211,45 @@ class FilesSource(CentralNode[str]):
         super().__init__(None, name=name, ctx=ctx)
         self._glob = glob
         self._paths: tuple[str, ...] | None = paths
-        self._digest = _digest(paths) if paths is not None else ""
+        self._digest = ""
+        self._names: tuple[str, ...] = ()
+        self._name_of: dict[str, str] = {}
+        self._path_of: dict[str, str] = {}
+        self._listing: str | None = None
         self._index = 0
 
     def prepare(self) -> None:
-        """Resolve the glob; one matching nothing is a ``PipelineError``."""
-        if self._paths is not None:
+        """Resolve the glob (one matching nothing is a ``PipelineError``) and
+        list the files relative to the root, with their sizes."""
+        if self._digest:
             return
-        assert self._glob is not None
-        matches = tuple(sorted(globlib.glob(self._glob, recursive=True)))
-        if not matches:
-            msg = (
-                f"stage '{self.name}': the glob {self._glob!r} matches no file; "
-                "check the path and the working directory."
-            )
-            raise PipelineError(msg)
-        self._paths = matches
-        self._digest = _digest(matches)
+        if self._paths is None:
+            assert self._glob is not None
+            matches = tuple(sorted(globlib.glob(self._glob, recursive=True)))
+            if not matches:
+                msg = (
+                    f"stage '{self.name}': the glob {self._glob!r} matches no file; "
+                    "check the path and the working directory."
+                )
+                raise PipelineError(msg)
+            self._paths = matches
+        root = _root(self._glob, self._paths)
+        self._names = tuple(_relative(p, root) for p in self._paths)
+        self._name_of = dict(zip(self._paths, self._names))
+        self._path_of = dict(zip(self._names, self._paths))
+        lines = "".join(f"{n}\t{_size(p)}\n" for n, p in zip(self._names, self._paths))
+        self._digest = hashlib.sha1(lines.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+        self._listing = lines if len(self._paths) <= LISTING_MAX else None
+
+    def name_of(self, path: str) -> str:
+        """``path`` (one of :attr:`paths`) relative to the root."""
+        self.prepare()
+        return self._name_of.get(path, path)
+
+    def path_of(self, name: str) -> str | None:
+        """The path of the file named ``name`` relative to the root, if listed."""
+        self.prepare()
+        return self._path_of.get(name)
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -230,7 +266,8 @@ class FilesSource(CentralNode[str]):
         return path
 
     def own_state(self) -> dict[str, Any]:
-        return {INDEX_KEY: self._index, FILES_KEY: self._digest}
+        self.prepare()
+        return {INDEX_KEY: self._index, FILES_KEY: self._digest, LISTING_KEY: self._listing}
 
     def max_items_out(self, state: FilesState, bound_in: int | None) -> int | None:
         return state.index
@@ -240,8 +277,10 @@ class FilesSource(CentralNode[str]):
         if state.files != self._digest:
             msg = (
                 f"stage '{self.name}': the file list changed since the checkpoint "
-                f"(checkpoint digest {state.files!r}, now {self._digest!r} for "
-                f"{len(self.paths)} files); resuming would read the wrong files."
+                f"({_what_changed(state.listing, self._listing, len(self.paths))}); "
+                "resuming would read the wrong files. Files are matched by their path "
+                "relative to the root (the glob's directories before any wildcard, or a "
+                "list's common parent) and their size."
             )
             raise CheckpointError(msg)
         if state.index > len(self.paths):
@@ -255,5 +294,62 @@ class FilesSource(CentralNode[str]):
         return len(self.paths)
 
 
-def _digest(paths: tuple[str, ...]) -> str:
-    return hashlib.sha1("\0".join(paths).encode("utf-8", "surrogateescape")).hexdigest()[:16]
+def _root(glob: str | None, paths: tuple[str, ...]) -> str:
+    """A glob's leading directories without wildcards, or the paths' common parent."""
+    if glob is not None:
+        parts = glob.split(os.sep)
+        fixed = []
+        for part in parts[:-1]:
+            if _GLOB_MAGIC & set(part):
+                break
+            fixed.append(part)
+        return os.path.abspath(os.sep.join(fixed) or (os.sep if glob.startswith(os.sep) else "."))
+    parents = [os.path.dirname(os.path.abspath(p)) for p in paths]
+    try:
+        return os.path.commonpath(parents) if parents else "."
+    except ValueError:  # pragma: no cover - paths on different drives
+        return ""
+
+
+def _relative(path: str, root: str) -> str:
+    if not root:
+        return path  # pragma: no cover
+    return os.path.relpath(os.path.abspath(path), root)
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return -1  # missing: reading it fails later, with the path
+
+
+def _parse(listing: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for line in listing.splitlines():
+        name, _, size = line.rpartition("\t")
+        out[name] = int(size)
+    return out
+
+
+def _what_changed(before: str | None, now: str | None, count: int) -> str:
+    """Which files were added, removed or changed size, as far as the listings tell."""
+    if before is None or now is None:
+        return (
+            f"now {count} files; the checkpoint lists no files (more than {LISTING_MAX}, "
+            "or an older checkpoint), only a digest of them"
+        )
+    old, new = _parse(before), _parse(now)
+    parts = []
+    added = [n for n in new if n not in old]
+    removed = [n for n in old if n not in new]
+    resized = [f"{n} ({old[n]} -> {new[n]} bytes)" for n in new if n in old and old[n] != new[n]]
+    for what, names in (("added", added), ("removed", removed), ("changed size", resized)):
+        if names:
+            shown = ", ".join(names[:5]) + (
+                f", ... ({len(names)} in all)" if len(names) > 5 else ""
+            )
+            parts.append(f"{what}: {shown}")
+    if not parts:
+        parts.append("the same files in another order")
+    return "; ".join(parts)

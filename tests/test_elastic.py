@@ -337,3 +337,26 @@ def test_inspect_shows_a_global_state(tmp_path: Any, capsys: pytest.CaptureFixtu
     assert "global state: merged from 3 ranks" in out
     assert "pre_shard_index: 6" in out
     assert "queue:" in out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("equalize", EQUALIZE, ids=str)
+def test_per_rank_checkpoints_after_an_elastic_resume_resume_exactly(
+    reference: dict[str, Any], equalize: str | None
+) -> None:
+    """After loading a global state, each rank's own checkpoints (taken while
+    the merged items are still queued) resume exactly on that rank."""
+    _, states = take(equalize, 2, 3, buffer_size=None)
+    merged = cp.merge_states(states)
+    want = model(reference["stream"][6:], equalize, 3)
+    for rank in (0, 2):
+        config = loader_config(rank=rank, world_size=3, chunk_size=1, buffer_size=1)
+        for k in range(len(want[rank]) + 1):
+            with cp.Loader(pipe(equalize), config) as ld:
+                ld.load_state_dict(merged)
+                it = iter(ld)
+                head = [next(it) for _ in range(k)]
+                state = ld.state_dict()
+            with cp.Loader(pipe(equalize), config) as ld:
+                ld.load_state_dict(state)
+                assert head + list(ld) == want[rank], (rank, k)

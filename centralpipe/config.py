@@ -155,6 +155,9 @@ class LoaderConfig:
             one in the range (``2**64`` those of ``0``) and is refused. In the
             range, the mix is a 64-bit bijection cut to 63 bits, so two seeds
             share a stream only by a 2**-63 chance.
+        pin_memory: pin the tensors of delivered items for the current
+            accelerator (``torch.accelerator``), in a background thread; with
+            no accelerator, warn once and do nothing.
     """
 
     workers: WorkerConfig = attrs.field(factory=WorkerConfig, validator=_instance(WorkerConfig))
@@ -164,6 +167,7 @@ class LoaderConfig:
     seed: int = attrs.field(
         default=0, validator=checked(ConfigError, "an int in [0, 2**64)", int_in(0, SEED_END))
     )
+    pin_memory: bool = attrs.field(default=False, validator=_instance(bool))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict of builtins; ``from_dict`` reverses it."""

@@ -19,7 +19,8 @@ from centralpipe.config import LoaderConfig
 from centralpipe.dispatch import protocol
 from centralpipe.dispatch.boundary import PoolPolicy, open_stream
 from centralpipe.dispatch.chain import WorkerChain
-from centralpipe.dispatch.pool import WorkerPool
+from centralpipe.dispatch.pinning import Pinner, make_pinner
+from centralpipe.dispatch.pool import WorkerPool, warm_up
 from centralpipe.dispatch.protocol import MSG_STATES, InFlight
 from centralpipe.dispatch.reorder import Stream, StreamStats
 from centralpipe.dispatch.worker import WorkerSpec
@@ -47,6 +48,7 @@ class _Resources:
 
     def __init__(self) -> None:
         self.pool: WorkerPool | None = None
+        self.pinner: Pinner | None = None
         self.run: Stream | None = None
         self.nodes: list[CentralNode[Any]] = []
 
@@ -65,6 +67,8 @@ class _Resources:
                     pool, self.pool = self.pool, None
                     pool.close()
             finally:
+                if self.pinner is not None:
+                    self.pinner.close()
                 if self.nodes:
                     self.nodes[-1].release()
 
@@ -100,6 +104,9 @@ class Loader(Generic[T]):
         self._stamped = [node for node in self._nodes if node.stamped]
         self._chain = WorkerChain(pipeline.worker_stages, config.seed)
         self._check_picklable()
+        if config.workers.num_workers > 0:
+            # The forkserver imports torch while the caller builds its model.
+            warm_up(config.workers.resolved_start_method())
         self.epoch = 0
         self._stats = StreamStats(config.workers.num_workers)
         self._resume: dict[str, Any] | None = None
@@ -107,6 +114,7 @@ class Loader(Generic[T]):
         self._iters = 0
         self._res = _Resources()
         self._res.nodes = self._nodes
+        self._res.pinner = make_pinner(config.pin_memory)
         self._finalizer = weakref.finalize(self, self._res.close)
         self._closed = False
 
@@ -235,12 +243,16 @@ class Loader(Generic[T]):
             "dispatch_name": self._boundary,
         }
         if w.num_workers == 0:
-            return open_stream(**common)
-        self._run_ids += 1
-        policy = PoolPolicy(
-            timeout_s=w.timeout_s, max_restarts=w.max_restarts, item_retries=w.item_retries
-        )
-        return open_stream(pool=self._ensure_pool(), run_id=self._run_ids, policy=policy, **common)
+            stream = open_stream(**common)
+        else:
+            self._run_ids += 1
+            policy = PoolPolicy(
+                timeout_s=w.timeout_s, max_restarts=w.max_restarts, item_retries=w.item_retries
+            )
+            pool = self._ensure_pool()
+            stream = open_stream(pool=pool, run_id=self._run_ids, policy=policy, **common)
+        stream.pinner = self._res.pinner
+        return stream
 
     def _ensure_pool(self) -> WorkerPool:
         if self._res.pool is None:

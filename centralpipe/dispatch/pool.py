@@ -32,6 +32,31 @@ _KILL_TIMEOUT_S = 5.0
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 
 
+#: What the forkserver imports once, before it forks any worker: the worker
+#: loop and what it needs (torch, numpy). The user's stage functions are
+#: imported by each worker; their modules may not be importable by the server.
+FORKSERVER_PRELOAD = ["centralpipe.dispatch.worker"]
+
+
+def warm_up(start_method: str) -> None:
+    """Start the forkserver now (a no-op for other start methods or when it
+    runs already), so that it imports torch while the caller does other work
+    (building a model) and the first worker forks from a ready server.
+
+    Starting it only spawns the server process (milliseconds); the server
+    then imports :data:`FORKSERVER_PRELOAD` in the background. Workers still
+    fork from a clean single-threaded server: forkserver's safety is kept."""
+    if start_method != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    mp.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
+    try:
+        forkserver.ensure_running()
+    except Exception:  # pragma: no cover - the first worker start reports it
+        pass
+
+
 def describe_exit(exitcode: int | None) -> str:
     """``"exit code 3"`` / ``"killed by SIGKILL"`` / ``"still running"``."""
     import signal
@@ -85,8 +110,7 @@ class WorkerPool:
         self.current_run = self.ctx.RawValue("q", 0)
         self.closed = False
         if start_method == "forkserver":
-            # Workers fork from a server that already imported torch and us.
-            self.ctx.set_forkserver_preload(["centralpipe.dispatch.worker"])
+            warm_up(start_method)
 
     def start(self) -> None:
         for slot in self.slots:

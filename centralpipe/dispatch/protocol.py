@@ -107,6 +107,7 @@ class Chunk:
         "first_seq",
         "items",
         "per_item",
+        "pinned",
         "raised_at",
         "result",
         "sent_gen",
@@ -134,6 +135,7 @@ class Chunk:
         # poison items (with on_error="raise"): failures known before a result
         self.unsendable: list[StageFailure] = []
         self.per_item = False  # items and outputs sealed one by one (see above)
+        self.pinned: Any = None  # a Future of the pinned outputs (pin_memory=True)
 
 
 class InFlight:

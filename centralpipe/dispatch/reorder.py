@@ -21,6 +21,7 @@ Invariants (under ``lock``):
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -38,6 +39,8 @@ from centralpipe.stages import CentralNode, Shard
 __all__ = ["FIRST_CHUNK", "Driver", "Stream", "StreamStats"]
 
 logger = logging.getLogger("centralpipe")
+#: How often the consumer, waiting for the pin thread, checks for a stop.
+_PIN_POLL_S = 0.1
 
 FIRST_CHUNK = 16
 
@@ -105,6 +108,7 @@ class Stream:
         self.dispatch_name = dispatch_name
         self.parallelism = max(1, parallelism)
         self.driver: Driver | None = None  # set by whoever assembles the stream
+        self.pinner: Any = None  # a dispatch.pinning.Pinner with pin_memory=True
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self.pending: deque[Chunk] = deque()
@@ -219,6 +223,8 @@ class Stream:
                     failure.message,
                 )
             result = result._replace(failures=None, counts=result.counts or [1] * len(chunk.items))
+        if self.pinner is not None and result.outputs:
+            chunk.pinned = self.pinner.submit(result.outputs)
         return result
 
     # -- delivery --------------------------------------------------------------
@@ -245,6 +251,8 @@ class Stream:
                 self.broken = True
                 self.stop()
                 raise CheckpointError(chunk.bad_skip)
+            if chunk.pinned is not None:
+                result = self._take_pinned(chunk, result)
             self.current = chunk
             self._cur_base = 0
             self._cur_list = result.outputs
@@ -263,6 +271,21 @@ class Stream:
             raise self.central_error
         self.finished = True
         self.stop()
+
+    def _take_pinned(self, chunk: Chunk, result: ChunkResult) -> ChunkResult:
+        """The chunk's outputs as the pin thread pinned them."""
+        future = chunk.pinned
+        while True:
+            try:
+                pinned = future.result(timeout=_PIN_POLL_S)
+                break
+            except concurrent.futures.TimeoutError:
+                if self.stopping:
+                    raise RuntimeError("this iterator was superseded while pinning") from None
+        chunk.pinned = None
+        result = result._replace(outputs=pinned)
+        chunk.result = result
+        return result
 
     def _deliver_failing(
         self, chunk: Chunk, result: ChunkResult, it: Iterator[Any]

@@ -1,0 +1,133 @@
+"""``pin_memory=True``: page-locked tensors for the current accelerator.
+
+Pinning a tensor allocates page-locked memory and copies into it, which is
+too slow for the consumer's critical path. As soon as a chunk's result is in
+(``Stream.accept``), a :class:`Pinner` thread pins its outputs while the
+consumer still delivers earlier chunks; the consumer takes the pinned
+outputs when it reaches the chunk. Delivery order, counts and checkpoints do
+not change: a chunk's outputs are replaced, not re-queued. The work ahead is
+bounded by the buffer (only chunks already received are pinned).
+
+Without an accelerator (``torch.accelerator``) pinning is meaningless:
+:func:`make_pinner` warns once per Loader and the outputs are left as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import warnings
+from collections.abc import Mapping
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+__all__ = ["Pinner", "accelerator", "make_pinner", "pin"]
+
+#: How long close() waits for the pin thread to finish its current chunk.
+_CLOSE_TIMEOUT_S = 5.0
+
+
+def accelerator() -> torch.device | None:
+    """The current accelerator, or ``None`` (CPU only)."""
+    acc = getattr(torch, "accelerator", None)
+    if acc is None or not acc.is_available():
+        return None
+    device: torch.device | None = acc.current_accelerator()
+    return device
+
+
+def pin(obj: Any) -> Any:
+    """``obj`` with every CPU tensor in it pinned (containers rebuilt alike;
+    objects with their own ``pin_memory()`` method use it, as torch's
+    DataLoader does)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.pin_memory() if obj.device.type == "cpu" and not obj.is_pinned() else obj
+    if isinstance(obj, (str, bytes, bytearray, int, float, type(None))):
+        return obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(pin(x) for x in obj))
+    if isinstance(obj, tuple):
+        return tuple(pin(x) for x in obj)
+    if isinstance(obj, list):
+        return [pin(x) for x in obj]
+    if isinstance(obj, Mapping):
+        try:
+            return type(obj)({k: pin(v) for k, v in obj.items()})  # type: ignore[call-arg]
+        except TypeError:  # a mapping type that cannot be built from a dict
+            return {k: pin(v) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: pin(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
+    method = getattr(obj, "pin_memory", None)
+    if callable(method):
+        return method()
+    return obj
+
+
+class Pinner:
+    """One thread that pins the outputs of received chunks, in order."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[list[Any], Future[list[Any]]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, outputs: list[Any]) -> Future[list[Any]]:
+        """Pin ``outputs`` in the background; the future gives the pinned list."""
+        future: Future[list[Any]] = Future()
+        with self._lock:
+            if self._closed:
+                future.set_result(outputs)
+                return future
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="centralpipe-pin", daemon=True
+                )
+                self._thread.start()
+            self._jobs.put((outputs, future))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            outputs, future = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result([pin(x) for x in outputs])
+            except BaseException as exc:  # reported to the consumer by the future
+                future.set_exception(exc)
+
+    def close(self) -> None:
+        """Stop the thread (after its current chunk); idempotent."""
+        with self._lock:
+            self._closed = True
+            thread, self._thread = self._thread, None
+            if thread is not None:
+                self._jobs.put(None)
+        if thread is not None:
+            thread.join(_CLOSE_TIMEOUT_S)
+
+
+def make_pinner(enabled: bool) -> Pinner | None:
+    """A :class:`Pinner` when ``enabled`` and an accelerator exists; else
+    ``None`` (with a warning when it was asked for)."""
+    if not enabled:
+        return None
+    if accelerator() is None:
+        warnings.warn(
+            "LoaderConfig(pin_memory=True) but no accelerator is available "
+            "(torch.accelerator.is_available() is False): tensors are not pinned.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    return Pinner()

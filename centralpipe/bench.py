@@ -38,13 +38,13 @@ import torchdata.nodes as tn
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 import centralpipe as cp
-from centralpipe import bench_stages
+from centralpipe import bench_stages, bench_transport
 from centralpipe.config import START_METHODS
 
 __all__ = ["add_arguments", "main", "run"]
 
-WORKLOADS = ("tiny", "cpu", "tensor")
-SECTIONS = (*WORKLOADS, "state", "stages")
+WORKLOADS = ("tiny", "cpu", "tensor", "numpy")
+SECTIONS = (*WORKLOADS, "state", "stages", "startup")
 #: Start method of the DataLoader and ParallelMapper workers.
 PEER_START_METHOD = "fork"
 #: Items per tensor: 65536 float32 = 256 KiB.
@@ -69,6 +69,12 @@ def inc(x: int) -> int:
 
 def full_tensor(i: int) -> torch.Tensor:
     return torch.full((TENSOR_NUMEL,), float(i))
+
+
+def full_array(i: int) -> Any:
+    import numpy as np
+
+    return np.full(TENSOR_NUMEL, float(i), dtype=np.float32)
 
 
 def _spin(iterations: int) -> int:
@@ -382,6 +388,7 @@ class Results:
     cells: dict[tuple[str, int], dict[str, Timing]] = field(default_factory=dict)
     state: dict[str, Any] = field(default_factory=dict)
     stages: dict[str, Any] = field(default_factory=dict)
+    startup: dict[tuple[str, float], tuple[float, float]] = field(default_factory=dict)
     elapsed_s: float = 0.0
     repeat: int = 1
     retries: int = 1
@@ -443,6 +450,10 @@ def run(
         workloads.append(
             Workload("tensor", 2_000 // scale, full_tensor, "a fresh 256 KiB float32 tensor")
         )
+    if "numpy" in only:
+        workloads.append(
+            Workload("numpy", 2_000 // scale, full_array, "a fresh 256 KiB float32 numpy array")
+        )
     for w in workloads:
         res.sizes[w.name] = f"{w.n:,} items: {w.what}"
         _log(f"{w.name}: serial")
@@ -468,6 +479,9 @@ def run(
     if "stages" in only:
         _log("stages: mix and pack, main-process cost per item")
         res.stages = bench_stages.measure(scale)
+    if "startup" in only:
+        _log("startup: first item, fresh processes")
+        res.startup = bench_transport.measure_startup(START_METHODS)
     res.elapsed_s = time.perf_counter() - started
     res.others = meter.others(run_start)
     return res
@@ -637,6 +651,7 @@ def report(res: Results, *, argv: Sequence[str] = ()) -> str:
             f"| every {st['tiny_every']:,} items | {_rate(c.rate)} | {c.rate / q.rate:.2f} |",
         ]
     lines += bench_stages.report_lines(res.stages)
+    lines += bench_transport.report_lines(res.startup)
     targets = _targets(res)
     if targets:
         lines += ["", "## Targets", "", "| target | measured | met |", "|---|---|---|"]
@@ -682,6 +697,7 @@ def _targets(res: Results) -> list[tuple[str, str, bool]]:
                 )
             )
     out += bench_stages.targets(res.stages)
+    out += bench_transport.targets(res.startup)
     return out
 
 

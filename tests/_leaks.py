@@ -31,6 +31,20 @@ def _running(proc: psutil.Process) -> bool:
         return False
 
 
+def _read_stat(pid: int) -> tuple[int, str] | None:
+    """``(ppid, state)`` of ``pid``: state "Z" for a zombie, "X" for dead,
+    "R" otherwise; ``None`` if it is gone."""
+    try:
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            ppid, status = proc.ppid(), proc.status()
+    except psutil.ZombieProcess:
+        return 0, "Z"
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    return ppid, {psutil.STATUS_ZOMBIE: "Z", psutil.STATUS_DEAD: "X"}.get(status, "R")
+
+
 def cmdline(pid: int) -> str:
     """The command line of ``pid`` as one string ('' if gone or a zombie)."""
     try:

@@ -9,9 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
-
-from tests._leaks import _read_stat
 
 SCRIPT = Path(__file__).with_name("orphan_main.py")
 #: Bound on how long workers outlive the main process (typically well under 1 s;
@@ -19,9 +18,16 @@ SCRIPT = Path(__file__).with_name("orphan_main.py")
 EXIT_WITHIN_S = 5.0
 
 
+def _state(pid: int) -> str | None:
+    try:
+        status: str = psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return None
+    return status
+
+
 def _alive(pid: int) -> bool:
-    stat = _read_stat(pid)
-    return stat is not None and stat[1] not in ("Z", "X")
+    return _state(pid) not in (None, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
 
 
 @pytest.mark.parametrize(
@@ -50,7 +56,7 @@ def test_workers_exit_when_main_is_killed_and_unreaped(start_method: str, mode: 
         deadline = time.monotonic() + 10
         while _alive(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert _read_stat(proc.pid) is not None and not _alive(proc.pid), "main is a zombie"
+        assert _state(proc.pid) is not None and not _alive(proc.pid), "main is a zombie"
         died = time.monotonic()
         while any(_alive(p) for p in pids) and time.monotonic() - died < 10:
             time.sleep(0.02)
@@ -82,7 +88,7 @@ def test_liveness_check_sees_a_zombie_as_dead() -> None:
         deadline = time.monotonic() + 10
         while _alive(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert _read_stat(proc.pid) is not None, "still unreaped"
+        assert _state(proc.pid) is not None, "still unreaped"
         assert not main_alive(proc.pid)
         assert main_alive(os.getpid())
     finally:

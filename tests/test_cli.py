@@ -13,6 +13,7 @@ import torch
 
 import centralpipe as cp
 from centralpipe.__main__ import main
+from centralpipe.bench import SECTIONS
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH_TIMEOUT_S = 120
@@ -82,7 +83,7 @@ def test_bench_rejects_an_unknown_section(capsys: pytest.CaptureFixture[str]) ->
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "gpu" in err
-    assert "tiny,cpu,tensor,state" in err
+    assert ",".join(SECTIONS) in err  # every section, e.g. tiny,cpu,...,stages
 
 
 def _checkpoint(tmp_path: Path) -> Path:

@@ -9,10 +9,11 @@ items hold), safe for ``torch.save`` and ``torch.distributed.checkpoint``::
       "seed": int, "epoch": int, "finished": bool,
       "distributed": {"rank": int, "world_size": int},
       "central": {stage name: that stage's own state, ...},
-      "in_flight": {boundary name: {               # e.g. "dispatch"
+      "in_flight": {boundary name: {               # "dispatch", each parallel stage
           "next_seq": int,                         # next index at the boundary
           "first_seq": int, "items": [...],        # dispatched, not delivered
-          "stamps": [...] | None, "skip_outputs": int, "skip": [seq, ...]}},
+          "stamps": [...] | None, "skip_outputs": int, "skip": [seq, ...],
+          "delivered_stamp": [...] | None}},       # parallel stages: as of their last output
       "delivered_stamp": [...] | None,             # count/shard totals as delivered
       "position": {"pre_shard_index": int | None},
     }
@@ -134,6 +135,11 @@ class Boundary:
     skip_outputs: int = attrs.field(validator=_count())
     skip: list[int] = attrs.field(
         validator=checked(FieldError, "a list of seqs", sequence_of(int_in(0, INT64_END)))
+    )
+    #: A parallel central stage's stamp of the stages before it, as of its last
+    #: output (the dispatch boundary's is the top-level ``delivered_stamp``).
+    delivered_stamp: list[Any] | None = attrs.field(
+        default=None, validator=checked(FieldError, f"None or {STAMP_TEXT}", v.optional(STAMP))
     )
 
     def __attrs_post_init__(self) -> None:
@@ -330,6 +336,9 @@ class Expected:
     multi_output: bool
     #: Items the central chain yields per epoch, when known.
     length: int | None
+    #: Parallel central stages (boundaries besides ``tip``): the stamped
+    #: stages before each, and whether it can make several outputs per input.
+    segments: dict[str, tuple[list[Any], bool]] = attrs.field(factory=dict)
 
 
 def _fail(path: str, expected: str, got: Any) -> None:
@@ -376,32 +385,49 @@ def check_pipeline(ckpt: Checkpoint, want: Expected) -> dict[str, Any]:
         if name == want.tip and bound is not None and flight.next_seq > bound:
             expected = f"<= {bound} (the items the central stages have yielded, by their state)"
             _fail(f"{path}.next_seq", expected, flight.next_seq)
-        _check_boundary(path, flight, ckpt, want, states)
+        _check_boundary(path, name, flight, ckpt, want, states)
     return states
 
 
 def _check_boundary(
-    path: str, flight: Boundary, ckpt: Checkpoint, want: Expected, states: dict[str, Any]
+    path: str,
+    name: str,
+    flight: Boundary,
+    ckpt: Checkpoint,
+    want: Expected,
+    states: dict[str, Any],
 ) -> None:
-    if want.length is not None and flight.next_seq > want.length:
-        _fail(f"{path}.next_seq", f"<= {want.length} (items per epoch here)", flight.next_seq)
-    if flight.skip_outputs and not want.multi_output:
-        expected = "0 (the worker stages make at most one output per input)"
+    segment = want.segments.get(name)
+    if segment is None:
+        stamped_nodes, multi = want.stamped, want.multi_output
+        delivered, delivered_path = ckpt.delivered_stamp, "delivered_stamp"
+        if want.length is not None and flight.next_seq > want.length:
+            _fail(f"{path}.next_seq", f"<= {want.length} (items per epoch here)", flight.next_seq)
+        if flight.delivered_stamp is not None:
+            _fail(
+                f"{path}.delivered_stamp", "None (it is the top-level one)", flight.delivered_stamp
+            )
+    else:
+        stamped_nodes, multi = segment
+        delivered, delivered_path = flight.delivered_stamp, f"{path}.delivered_stamp"
+    if flight.skip_outputs and not multi:
+        makes = "the worker stages make" if segment is None else "the parallel stage makes"
+        expected = f"0 ({makes} at most one output per input)"
         _fail(f"{path}.skip_outputs", expected, flight.skip_outputs)
-    stamped = [node.kind for node in want.stamped]
+    stamped = [node.kind for node in stamped_nodes]
     if not stamped:
         if flight.stamps is not None:
-            _fail(f"{path}.stamps", "None (no count or shard stage)", flight.stamps)
-        if ckpt.delivered_stamp is not None:
-            _fail("delivered_stamp", "None (no count or shard stage)", ckpt.delivered_stamp)
+            _fail(f"{path}.stamps", "None (no count or shard stage before it)", flight.stamps)
+        if delivered is not None:
+            _fail(delivered_path, "None (no count or shard stage before it)", delivered)
         return
     if flight.stamps is None and flight.items:
         _fail(f"{path}.stamps", "one stamp per in-flight item", None)
     # Stamps are the stamped stages' totals as each item left the chain: they
     # never decrease along the stream and never pass the stages' own state.
-    sequence = [("delivered_stamp", ckpt.delivered_stamp)]
+    sequence = [(delivered_path, delivered)]
     sequence += [(f"{path}.stamps[{i}]", s) for i, s in enumerate(flight.stamps or [])]
-    now = [_stamp_value(n.kind, states[n.name]) for n in want.stamped]
+    now = [_stamp_value(n.kind, states[n.name]) for n in stamped_nodes]
     previous = [0] * len(stamped)
     for where, stamp in sequence:
         if stamp is None:

@@ -27,6 +27,7 @@ __all__ = ["DistributedConfig", "LoaderConfig", "WorkerConfig"]
 DEFAULT_BUFFER_SIZE = 4096
 START_METHODS = ("fork", "forkserver", "spawn")
 ON_ERROR = ("raise", "skip")
+EXECUTORS = ("process", "thread")
 #: Spelling of ``buffer_size=None`` in formats without a null (TOML).
 UNLIMITED = "unlimited"
 
@@ -86,6 +87,11 @@ class WorkerConfig:
             in ``metrics()["dispatch"]["skipped"]``).
         chunk_size: items per message to a worker; ``None`` adapts it to the
             measured cost per item (more for tiny items, fewer for slow ones).
+        executor: ``"process"`` (worker processes) or ``"thread"`` (worker
+            threads in this process: for functions that release the GIL, such
+            as Rust/C++ tokenizers, torch ops and decoders, and for
+            free-threaded Python). Outputs and checkpoints are the same; a
+            hung thread cannot be killed, so it is reported, not retried.
     """
 
     num_workers: int = attrs.field(default=0, validator=_int(0))
@@ -100,6 +106,7 @@ class WorkerConfig:
     item_retries: int = attrs.field(default=1, validator=_int(0))
     on_error: str = attrs.field(default="raise", validator=_choice(ON_ERROR))
     chunk_size: int | None = attrs.field(default=None, validator=_optional(_int(1)))
+    executor: str = attrs.field(default="process", validator=_choice(EXECUTORS))
 
     def resolved_start_method(self) -> str:
         """The start method workers use: the configured one or the default."""

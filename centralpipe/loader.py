@@ -16,13 +16,13 @@ from typing import Any, Generic, TypeVar
 from centralpipe import checkpoint
 from centralpipe.checkpoint import FORMAT_VERSION
 from centralpipe.config import LoaderConfig
-from centralpipe.dispatch import protocol
-from centralpipe.dispatch.boundary import PoolPolicy, open_stream
+from centralpipe.dispatch.boundary import Policy, Run, StreamPlan, empty_segment_entry
 from centralpipe.dispatch.chain import WorkerChain
 from centralpipe.dispatch.pinning import Pinner, make_pinner
-from centralpipe.dispatch.pool import WorkerPool, warm_up
-from centralpipe.dispatch.protocol import MSG_STATES, InFlight
-from centralpipe.dispatch.reorder import Stream, StreamStats
+from centralpipe.dispatch.pool import Executor, ProcessPool, ThreadPool, warm_up
+from centralpipe.dispatch.protocol import InFlight
+from centralpipe.dispatch.reorder import StreamStats
+from centralpipe.dispatch.supervisor import Session
 from centralpipe.dispatch.worker import WorkerSpec
 from centralpipe.errors import PipelineError
 from centralpipe.launchers import warn_if_duplicating
@@ -30,6 +30,7 @@ from centralpipe.pipeline import WORKER_KINDS, Pipeline
 from centralpipe.stages import (
     CentralNode,
     Count,
+    Parallel,
     RunContext,
     Shard,
     all_nodes,
@@ -47,9 +48,9 @@ class _Resources:
     """What must be released even if the Loader is garbage collected."""
 
     def __init__(self) -> None:
-        self.pool: WorkerPool | None = None
+        self.pool: Executor | None = None
+        self.run: Run | None = None
         self.pinner: Pinner | None = None
-        self.run: Stream | None = None
         self.nodes: list[CentralNode[Any]] = []
 
     def end_run(self) -> None:
@@ -92,6 +93,9 @@ class Loader(Generic[T]):
         self._config = config
         dist = config.distributed
         warn_if_duplicating(dist.world_size)
+        if config.workers.num_workers > 0 and config.workers.executor == "process":
+            # The forkserver imports torch while the caller builds its model.
+            warm_up(config.workers.resolved_start_method())
         self._ctx = RunContext(
             seed=config.seed, epoch=0, rank=dist.rank, world_size=dist.world_size
         )
@@ -103,12 +107,14 @@ class Loader(Generic[T]):
         # Dispatched items carry these stages' totals (delivered queries, checkpoints).
         self._stamped = [node for node in self._nodes if node.stamped]
         self._chain = WorkerChain(pipeline.worker_stages, config.seed)
+        self._segments = [n for n in self._nodes if isinstance(n, Parallel)]
+        self._segment_chains = [WorkerChain([n.spec], config.seed) for n in self._segments]
         self._check_picklable()
-        if config.workers.num_workers > 0:
-            # The forkserver imports torch while the caller builds its model.
-            warm_up(config.workers.resolved_start_method())
         self.epoch = 0
         self._stats = StreamStats(config.workers.num_workers)
+        self._segment_stats = {
+            n.name: StreamStats(config.workers.num_workers) for n in self._segments
+        }
         self._resume: dict[str, Any] | None = None
         self._run_ids = 0
         self._iters = 0
@@ -148,7 +154,7 @@ class Loader(Generic[T]):
         iter(self)
         return self._iterate(self._iters, self._start_run())
 
-    def _iterate(self, ticket: int, run: Stream | None) -> Iterator[T]:
+    def _iterate(self, ticket: int, run: Run | None) -> Iterator[T]:
         # A generator of the Loader, not of the run: `for x in Loader(...)`
         # must keep the Loader (and so its workers) alive while it iterates.
         if run is None:
@@ -161,7 +167,7 @@ class Loader(Generic[T]):
             run = self._start_run()
         yield from run.outputs()
 
-    def _start_run(self) -> Stream:
+    def _start_run(self) -> Run:
         """Start the pending resume or the next epoch. The epoch counter and
         the pending checkpoint change only once the run has started: after an
         error or Ctrl-C while starting (workers, files), ``state_dict()``
@@ -169,21 +175,11 @@ class Loader(Generic[T]):
         self._res.end_run()
         resume = self._resume
         if resume is not None and not resume["finished"]:
-            flight = resume["in_flight"][self._boundary]
+            plans = {name: _plan(flight) for name, flight in resume["in_flight"].items()}
+            plans[self._boundary].delivered_stamp = _tuplify(resume.get("delivered_stamp"))
             try:
-                run = self._make_run(
-                    epoch=self.epoch,
-                    next_seq=flight["next_seq"],
-                    resume=InFlight(
-                        flight["first_seq"],
-                        list(flight["items"]),
-                        None if flight.get("stamps") is None else list(flight["stamps"]),
-                        flight["skip_outputs"],
-                        flight["skip"],
-                    ),
-                    delivered_stamp=_tuplify(resume.get("delivered_stamp")),
-                    delivered=int((resume.get("position") or {}).get("delivered") or 0),
-                )
+                delivered = int((resume.get("position") or {}).get("delivered") or 0)
+                run = self._make_run(epoch=self.epoch, plans=plans, delivered=delivered)
             except BaseException:
                 # The central stages stay at the checkpoint's position.
                 self._nodes[-1].load_flat(dict(resume["central"]))
@@ -193,9 +189,7 @@ class Loader(Generic[T]):
             self._ctx.epoch = epoch
             try:
                 self._nodes[-1].load_flat(None)
-                run = self._make_run(
-                    epoch=epoch, next_seq=0, resume=None, delivered_stamp=None, delivered=0
-                )
+                run = self._make_run(epoch=epoch, plans={})
             except BaseException:
                 self._ctx.epoch = self.epoch
                 raise
@@ -218,49 +212,47 @@ class Loader(Generic[T]):
         self._resume = None
         self.epoch = epoch - 1
 
-    def _make_run(
-        self,
-        *,
-        epoch: int,
-        next_seq: int,
-        resume: InFlight | None,
-        delivered_stamp: Any,
-        delivered: int,
-    ) -> Stream:
+    def _make_run(self, *, epoch: int, plans: dict[str, StreamPlan], delivered: int = 0) -> Run:
         w = self._config.workers
-        common: dict[str, Any] = {
-            "nodes": self._nodes,
-            "chain": self._chain,
-            "epoch": epoch,
-            "next_seq": next_seq,
-            "resume": resume,
-            "delivered_stamp": delivered_stamp,
-            "delivered": delivered,
-            "buffer_size": w.buffer_size,
-            "chunk_size": w.chunk_size,
-            "on_error": w.on_error,
-            "stats": self._stats,
-            "dispatch_name": self._boundary,
-        }
-        if w.num_workers == 0:
-            stream = open_stream(**common)
-        else:
+        policy = Policy(
+            timeout_s=w.timeout_s,
+            max_restarts=w.max_restarts,
+            item_retries=w.item_retries,
+            on_error=w.on_error,
+        )
+        pooled = w.num_workers > 0 and (bool(self._chain.specs) or bool(self._segments))
+        executor = self._ensure_pool() if pooled else None
+        if pooled:
             self._run_ids += 1
-            policy = PoolPolicy(
-                timeout_s=w.timeout_s, max_restarts=w.max_restarts, item_retries=w.item_retries
-            )
-            pool = self._ensure_pool()
-            stream = open_stream(pool=pool, run_id=self._run_ids, policy=policy, **common)
-        stream.pinner = self._res.pinner
-        return stream
+        return Run(
+            nodes=self._nodes,
+            chain=self._chain,
+            segment_chains=self._segment_chains,
+            epoch=epoch,
+            plans=plans,
+            buffer_size=w.buffer_size,
+            chunk_size=w.chunk_size,
+            policy=policy,
+            stats=self._stats,
+            segment_stats=self._segment_stats,
+            dispatch_name=self._boundary,
+            executor=executor,
+            run_id=self._run_ids,
+            delivered=delivered,
+            pinner=self._res.pinner,
+        )
 
-    def _ensure_pool(self) -> WorkerPool:
+    def _ensure_pool(self) -> Executor:
         if self._res.pool is None:
             import os
 
             w = self._config.workers
-            spec = WorkerSpec(self._chain, os.getpid())
-            pool = WorkerPool(w.num_workers, w.resolved_start_method(), spec)
+            spec = WorkerSpec([*self._segment_chains, self._chain], os.getpid())
+            pool: Executor
+            if w.executor == "thread":
+                pool = ThreadPool(w.num_workers, spec)
+            else:
+                pool = ProcessPool(w.num_workers, spec, w.resolved_start_method())
             try:
                 pool.start()
             except BaseException:
@@ -323,6 +315,7 @@ class Loader(Generic[T]):
             body = run.capture()
         else:
             body = {
+                "segments": {n.name: empty_segment_entry() for n in self._segments},
                 "central": {node.name: node.own_state() for node in self._nodes},
                 "next_seq": 0,
                 "in_flight": {
@@ -348,7 +341,14 @@ class Loader(Generic[T]):
             # of torch.distributed.checkpoint's load receives a global state's flag.
             "distributed": {"rank": dist.rank, "world_size": dist.world_size, "merged": False},
             "central": body["central"],
-            "in_flight": {self._boundary: {"next_seq": body["next_seq"], **body["in_flight"]}},
+            "in_flight": {
+                **body["segments"],
+                self._boundary: {
+                    "next_seq": body["next_seq"],
+                    **body["in_flight"],
+                    "delivered_stamp": None,  # the top-level one
+                },
+            },
             "delivered_stamp": stamp,
             "position": {
                 "pre_shard_index": self._pre_shard_index(stamp),
@@ -393,8 +393,12 @@ class Loader(Generic[T]):
             rank=dist.rank,
             world_size=dist.world_size,
             nodes=list(self._nodes),
-            boundaries=[self._boundary],
+            boundaries=[*(n.name for n in self._segments), self._boundary],
             tip=self._boundary,
+            segments={
+                n.name: ([m for m in n.chain()[:-1] if m.stamped], n.kind == "flat_map")
+                for n in self._segments
+            },
             stamped=self._stamped,
             multi_output=any(
                 WORKER_KINDS[s.kind].outputs == "any" for s in self._pipe.worker_stages
@@ -456,13 +460,23 @@ class Loader(Generic[T]):
         """Per central stage items in/out and own time; ``"dispatch"``: buffer,
         skipped items, worker restarts, items per worker and waiting times."""
         out: dict[str, Any] = {}
+        run = self._res.run
+        in_flight = run.segment_in_flight() if run is not None else {}
         for node in all_nodes(self._nodes):
             out[node.name] = {
                 "items_in": node.source_items(),
                 "items_out": node.items_out,
                 "time_s": max(0.0, node.time_s - node.source_time_s()),
             }
-        s, run, w = self._stats, self._res.run, self._config.workers
+            if node.name in self._segment_stats:
+                seg = self._segment_stats[node.name]
+                out[node.name]["parallel"] = {
+                    "in_flight": in_flight.get(node.name, 0),
+                    "chunk_size": seg.chunk_size,
+                    "skipped": seg.skipped,
+                    "items_per_worker": list(seg.items_per_worker),
+                }
+        s, w = self._stats, self._config.workers
         out["dispatch"] = {
             "num_workers": w.num_workers,
             "dispatched": s.dispatched,
@@ -471,7 +485,7 @@ class Loader(Generic[T]):
             "buffer_size": w.buffer_size,
             "buffer_high_water": s.high_water,
             "chunk_size": s.chunk_size,
-            "skipped": s.skipped,
+            "skipped": s.skipped + sum(seg.skipped for seg in self._segment_stats.values()),
             "restarts": s.restarts,
             "items_per_worker": list(s.items_per_worker),
             "wait_workers_s": s.wait_workers_s,
@@ -486,11 +500,9 @@ class Loader(Generic[T]):
         if self._config.workers.num_workers == 0:
             return [self._chain.states()]
         run = self._res.run
-        if run is not None and not run.stopping:
-            states = run.driver.worker_states() if run.driver is not None else None
-            if states is not None:
-                return states
-        return _ask_idle_pool(self._ensure_pool())
+        if run is not None and not run.stopping and run.session is not None:
+            return run.session.worker_states()
+        return _ask_idle_pool(self._ensure_pool(), self._stats)
 
     def worker_pids(self) -> list[int]:
         """Process ids of the live workers (empty before the first iteration
@@ -521,11 +533,13 @@ class Loader(Generic[T]):
 
     def _check_picklable(self) -> None:
         w = self._config.workers
+        if w.num_workers == 0 or w.executor == "thread":
+            return
         method = w.resolved_start_method()
-        if w.num_workers == 0 or method == "fork":
+        if method == "fork":
             return
         main_ok = main_is_importable()
-        for spec in self._pipe.worker_stages:
+        for spec in [*(n.spec for n in self._segments), *self._pipe.worker_stages]:
             try:
                 pickled = pickle.dumps(spec.fn)
                 if not main_ok and references_main(pickled):
@@ -558,21 +572,27 @@ class Loader(Generic[T]):
         return None
 
 
-def _ask_idle_pool(pool: WorkerPool) -> list[dict[str, Any]]:
-    pool.ensure_alive()  # a worker may have died since the last run
-    out: list[dict[str, Any]] = []
-    for slot in pool.slots:
-        assert slot.conn is not None
-        with slot.send_lock:
-            protocol.send(slot.conn, (MSG_STATES,))
-        while True:
-            if not slot.conn.poll(30.0):
-                raise RuntimeError(f"worker {slot.index} did not answer a state request")
-            msg = protocol.recv(slot.conn)
-            if msg[0] == MSG_STATES:
-                out.append(msg[1])
-                break
-    return out
+def _ask_idle_pool(pool: Executor, stats: StreamStats) -> list[dict[str, Any]]:
+    """Worker states between runs: a short session with no streams."""
+    w = Policy(timeout_s=None, max_restarts=2**31, item_retries=0, on_error="raise")
+    session = Session(pool, run_id=-1, policy=w, stats=stats)
+    session.start()  # also replaces a worker that died since the last run
+    try:
+        return session.worker_states()
+    finally:
+        session.stop()
+
+
+def _plan(flight: dict[str, Any]) -> StreamPlan:
+    """Where a stream resumes, from its checkpoint entry."""
+    resume = InFlight(
+        flight["first_seq"],
+        list(flight["items"]),
+        None if flight.get("stamps") is None else list(flight["stamps"]),
+        flight["skip_outputs"],
+        flight["skip"],
+    )
+    return StreamPlan(flight["next_seq"], resume, _tuplify(flight.get("delivered_stamp")))
 
 
 def _tuplify(stamp: Any) -> Any:

@@ -64,6 +64,11 @@ class StageSpec:
     fn: Any = None
     options: dict[str, Any] = attrs.field(factory=dict)
 
+    @property
+    def parallel(self) -> bool:
+        """A central stage run in the workers (``parallel=True``)."""
+        return bool(self.options.get("parallel"))
+
     def describe(self) -> str:
         fn = ""
         if self.fn is not None:
@@ -271,30 +276,69 @@ class Pipeline:
         return self._add("read_lines", name, "central", options={"encoding": encoding})
 
     def map(
-        self, fn: Callable[..., Any], /, *, with_rng: bool = False, name: str | None = None
+        self,
+        fn: Callable[..., Any],
+        /,
+        *,
+        parallel: bool = False,
+        with_rng: bool = False,
+        name: str | None = None,
     ) -> Pipeline:
-        """``fn(item)`` for each item. After ``dispatch()`` it runs in workers;
-        there ``with_rng=True`` calls ``fn(item, rng)`` with a ``torch.Generator``
-        seeded from ``(seed, epoch, seq)``."""
-        placement = self._placement_for("map")
-        if with_rng and placement == "central":
-            msg = (
-                f"stage '{name or self._default_name('map')}': with_rng=True is for worker maps "
-                "(after dispatch()); a central map sees items in a fixed order and can keep "
-                "its own seeded generator."
-            )
-            raise PipelineError(msg)
-        return self._add("map", name, placement, fn=fn, options={"with_rng": bool(with_rng)})
+        """``fn(item)`` for each item. After ``dispatch()`` it runs in workers.
+        Before it, ``parallel=True`` runs it in the workers too, its outputs
+        re-entering the central chain in order. In workers (either way)
+        ``with_rng=True`` calls ``fn(item, rng)`` with a ``torch.Generator``
+        seeded from ``(seed, epoch, index of the item in this stage's input)``."""
+        options = self._transform_options("map", name, parallel, with_rng)
+        return self._add("map", name, self._placement_for("map"), fn=fn, options=options)
 
-    def filter(self, pred: Callable[[Any], bool], /, *, name: str | None = None) -> Pipeline:
-        """Keep the items for which ``pred(item)`` is true."""
-        return self._add("filter", name, self._placement_for("filter"), fn=pred)
+    def filter(
+        self, pred: Callable[[Any], bool], /, *, parallel: bool = False, name: str | None = None
+    ) -> Pipeline:
+        """Keep the items for which ``pred(item)`` is true (``parallel``: see ``map``)."""
+        options = self._transform_options("filter", name, parallel, False)
+        return self._add("filter", name, self._placement_for("filter"), fn=pred, options=options)
 
     def flat_map(
-        self, fn: Callable[[Any], Iterable[Any]], /, *, name: str | None = None
+        self,
+        fn: Callable[[Any], Iterable[Any]],
+        /,
+        *,
+        parallel: bool = False,
+        name: str | None = None,
     ) -> Pipeline:
-        """Each item becomes the items of the iterable ``fn(item)``."""
-        return self._add("flat_map", name, self._placement_for("flat_map"), fn=fn)
+        """Each item becomes the items of the iterable ``fn(item)`` (``parallel``: see ``map``)."""
+        options = self._transform_options("flat_map", name, parallel, False)
+        placement = self._placement_for("flat_map")
+        return self._add("flat_map", name, placement, fn=fn, options=options)
+
+    def _transform_options(
+        self, kind: str, name: str | None, parallel: Any, with_rng: Any
+    ) -> dict[str, Any]:
+        stage = name or self._default_name(kind)
+        for flag, value in (("parallel", parallel), ("with_rng", with_rng)):
+            if not isinstance(value, bool):
+                raise PipelineError(f"stage '{stage}': `{flag}` must be a bool, got {value!r}.")
+        central = self._dispatch_index() is None
+        if parallel and not central:
+            msg = (
+                f"stage '{stage}': parallel=True is for stages before dispatch(); after "
+                f"dispatch() ('{self.dispatch_name}') {kind}() already runs in the workers."
+            )
+            raise PipelineError(msg)
+        if with_rng and central and not parallel:
+            msg = (
+                f"stage '{stage}': with_rng=True is for worker maps (after dispatch()) and "
+                "parallel maps: pass parallel=True; an inline central map sees items in a "
+                "fixed order and can keep its own seeded generator."
+            )
+            raise PipelineError(msg)
+        options: dict[str, Any] = {}
+        if kind == "map":
+            options["with_rng"] = with_rng
+        if parallel:
+            options["parallel"] = True
+        return options
 
     def batch(
         self, batch_size: int, /, *, drop_last: bool = False, name: str | None = None

@@ -54,7 +54,7 @@ def build_pipeline(data: str, max_tokens: int) -> cp.Pipeline:
     return (
         cp.Pipeline.from_files(data)
         .read_lines()
-        .map(tokenize)
+        .map(tokenize, parallel=True)  # in the workers; outputs come back in order
         # min_len=1: blank lines tokenize to nothing and are dropped here.
         .bucket_by_max_tokens(max_tokens, len_fn=len, buffer_size=BUCKET_BUFFER, min_len=1)
         .count("pre_shard", weight_fn=len)  # sequences, summed over all ranks

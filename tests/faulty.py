@@ -120,3 +120,12 @@ def bump_in_place(d: dict[str, int]) -> dict[str, int]:
 
 def as_dict(i: int) -> dict[str, int]:
     return {"x": i}
+
+
+def hang_interruptible(x: int, *, at: int, release: str) -> int:
+    """Hang on item ``at`` until the file ``release`` exists (a thread that can
+    be let go at the end of a test)."""
+    if x == at:
+        while not os.path.exists(release):
+            time.sleep(0.01)
+    return x

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 import centralpipe as cp
-from centralpipe.dispatch.pool import WorkerPool
+from centralpipe.dispatch.pool import ProcessPool
 from centralpipe.testing import collect
 from tests._configs import loader_config
 
@@ -29,16 +29,16 @@ def _epochs(n: int, num_workers: int = 0) -> list[list[int]]:
 def _fail_second_worker_start(monkeypatch: pytest.MonkeyPatch, exc: BaseException) -> list[int]:
     """Make the second worker of every pool fail to start with ``exc``; returns a
     list that counts the injected failures."""
-    real = WorkerPool._start
+    real = ProcessPool._start
     failures: list[int] = []
 
-    def start(self: WorkerPool, slot: Any) -> None:
+    def start(self: ProcessPool, slot: Any) -> None:
         if slot.index == 1:
             failures.append(1)
             raise exc
         real(self, slot)
 
-    monkeypatch.setattr(WorkerPool, "_start", start)
+    monkeypatch.setattr(ProcessPool, "_start", start)
     return failures
 
 
@@ -138,10 +138,10 @@ def test_failed_start_of_a_later_epoch_resumes_that_epoch(
     with cp.Loader(_pipe(), loader_config(num_workers=2)) as loader:
         assert collect(loader) == expected[0]
 
-        def ensure_alive(self: WorkerPool) -> None:
+        def ensure_alive(self: ProcessPool) -> None:
             raise exc
 
-        monkeypatch.setattr(WorkerPool, "ensure_alive", ensure_alive)
+        monkeypatch.setattr(ProcessPool, "ensure_alive", ensure_alive)
         with pytest.raises(type(exc)):
             next(iter(loader))
         assert loader.epoch == 1

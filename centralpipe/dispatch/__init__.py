@@ -1,63 +1,85 @@
-"""The dispatch boundary: ordered streams over a pool of stateless workers.
+"""Ordered streams over one pool of stateless workers.
+
+A *stream* is one boundary where central items leave the central chain for
+the workers and come back in order: the dispatch boundary, and each parallel
+central stage (``map/filter/flat_map(..., parallel=True)``). All the streams
+of a pass share one executor (processes or threads) and one supervisor.
 
 Modules, by role:
 
-- ``protocol``   messages, chunks, results, status slots; the only user of
-  ``transport`` (serialisation and framing), so a transport plugs in there.
+- ``protocol``   messages, chunks, results, worker status slots; the only
+  user of ``transport``, so another transport plugs in there.
 - ``transport``  serialisation and framing of one message.
 - ``chain``      the worker stages run over one chunk (in a worker or inline).
-- ``worker``     the worker loop (a process target).
-- ``pool``       worker processes: start, replace, shut down.
-- ``sender``     pulling chunks from the central chain; the feeder thread
-  that sends them round-robin; the inline driver.
+- ``worker``     the worker loop, for a process or a thread.
+- ``pool``       the executors: worker processes or threads; start, replace,
+  shut down.
+- ``sender``     pulling chunks from the central chain and sending them
+  round-robin; the drivers (inline, feeder thread, parallel stage).
 - ``reorder``    a :class:`~centralpipe.dispatch.reorder.Stream`: in-order
-  delivery and the checkpoint capture of in-flight inputs.
-- ``supervisor`` receiving results; deaths, hangs, poison items, restarts.
-- ``boundary``   assembling a stream with its driver (the Loader's entry).
+  delivery and the checkpoint capture of its in-flight inputs.
+- ``supervisor`` receiving every result; deaths, hangs, poison items, restarts.
+- ``boundary``   assembling a run of every stream (the Loader's entry).
 
 The concurrency story
 ---------------------
 
-Threads: the *consumer* (the caller iterating the Loader), and with
-``num_workers > 0`` one *feeder* thread per run. Processes: ``num_workers``
-workers, each with one duplex pipe and a shared status array.
+Threads: the *consumer* (the caller iterating the Loader); with workers and
+worker stages after ``dispatch()``, one *feeder* thread per run; with any
+workers, one *supervisor* thread per run; thread workers with
+``executor="thread"``. Processes: ``num_workers`` workers with the process
+executor, each with one duplex pipe and a shared status array.
 
 Who runs what:
 
-- The central chain (every central stage's ``next()``) runs in exactly one
-  thread at a time, always under ``Stream.lock``: the feeder with workers, the
-  consumer inline. Only the feeder sends chunks (and re-sends the chunks of a
-  replaced worker), so it alone may block on a full pipe.
-- The consumer receives every result (``Supervisor._poll``), so no worker
-  blocks on its output pipe for long while the consumer waits for another;
-  results are stashed on their chunks and delivered in ``seq`` order.
-- ``state_dict()``, ``query()`` and ``metrics()`` read under ``Stream.lock``
-  (``Stream.reading``): the feeder releases it at least every
-  ``LOCK_SLICE_S`` between items, and yields to a waiting reader.
+- The central chain (every central stage's ``next()``, parallel stages
+  included) runs in exactly one thread at a time — the feeder, or without one
+  the consumer — always under the dispatch stream's ``lock``. That thread is
+  the only one that sends chunks, for every stream, and re-sends the chunks of
+  replaced workers; a parallel stage's ``next()`` pulls, sends and waits for
+  its own head result in that thread.
+- The supervisor thread is the only reader of results: it puts each on its
+  chunk (without taking any stream's lock), and detects deaths (sentinels),
+  hangs (``timeout_s`` from the start of an item, or a worker that owes
+  results and does not start them) and replaces workers. It never sends a
+  chunk, so it never blocks on a full pipe, and workers never block long on
+  their output.
+- ``state_dict()``, ``query()`` and ``metrics()`` read under the dispatch
+  stream's lock (``Stream.reading``): the central thread releases it at least
+  every ``LOCK_SLICE_S`` between items and yields to a waiting reader, but
+  one ``next()`` of the chain is atomic — a parallel stage waiting for its
+  workers makes a reader wait too (bounded by the workers' progress, and by
+  ``timeout_s`` when set).
 
-Who blocks on what, and the bound:
+Who blocks on what, and the bound (every wait is at most ``POLL_S`` and
+re-checks for stop and errors; ``Session.wake`` is the one condition that
+results, re-sends, errors and room in a buffer notify):
 
-- feeder, buffer full: ``Stream.cond.wait(POLL_S)`` in a loop that re-checks
-  ``stopping`` and the re-send queue;
-- feeder, pipe full: ``send_bytes`` to one worker; ended by that worker
-  reading, dying, or by ``Supervisor.stop`` killing it after
-  ``STOP_TIMEOUT_S``;
-- consumer, waiting for the head chunk: ``multiprocessing.connection.wait``
-  on every pipe and process sentinel for at most ``POLL_S``, then liveness
-  and ``timeout_s`` deadlines are checked;
+- central thread, buffer full or waiting for a parallel stage's result:
+  ``Session.wake.wait(POLL_S)``;
+- central thread, pipe full: ``send_bytes`` to one worker; ended by that
+  worker reading (its output is always read), dying, or being killed by
+  ``Session.stop`` after ``STOP_TIMEOUT_S``;
+- consumer, waiting for the head chunk: ``Session.wake.wait(POLL_S)``;
+- supervisor: ``multiprocessing.connection.wait`` on every pipe, process
+  sentinel and a wake-up pipe (``POLL_S``), or a queue ``get`` for threads;
 - workers: ``recv`` on their pipe (EOF when the main process closes it or
   dies; a watchdog thread exits a worker whose parent is gone).
 
-Invariants (``Stream.lock``): every item the central chain produced is
-delivered or in a pending chunk; ``in_flight`` counts the items dispatched and
-not yet retired and is ``<= buffer_size``; a chunk's ``sent_gen`` equals its
-slot's generation iff the current worker of that slot has it or is being sent it.
+Invariants: every item a stream pulled is delivered or in one of its pending
+chunks (under its lock: both or neither); its ``in_flight`` counts the items
+pulled and not yet retired and stays ``<= buffer_size``; a chunk's
+``sent_gen`` equals its slot's generation iff that slot's current worker has
+it or is being sent it; a worker's status is written by the worker alone, under a version counter
+(no torn reads); the delivery position of a parallel stage's stream only
+moves in the central thread.
 
-Shutdown escalates (``Supervisor.stop``, then ``WorkerPool.close``): mark the
-run stopped and abandoned (``current_run``, so workers skip queued chunks) →
-drain the pipes until the feeder exits (``STOP_TIMEOUT_S``) → kill workers if
-it is stuck in a send → close our pipe ends (workers read EOF) → join
-(``_JOIN_TIMEOUT_S``) → terminate (``_TERMINATE_TIMEOUT_S``) → kill
-(``_KILL_TIMEOUT_S``). ``close()`` is idempotent and a ``weakref.finalize``
-runs it if the Loader is garbage collected.
+Shutdown escalates (``Run.stop``): mark the run abandoned (flags first, no
+lock needed) and ``current_run`` (workers skip queued chunks) → wait for the
+feeder (``STOP_TIMEOUT_S``) while the supervisor keeps reading, then kill
+workers if it is stuck in a send → stop the supervisor → at ``close()``:
+close our pipe ends (workers read EOF) → join (``_JOIN_TIMEOUT_S``) →
+terminate → kill. Threads get an end-of-input marker and a short join; a
+thread stuck in user code is left as a daemon. ``close()`` is idempotent and
+a ``weakref.finalize`` runs it if the Loader is garbage collected.
 """

@@ -1,80 +1,218 @@
-"""Assembling a boundary: one ordered stream and who runs its chunks.
+"""Assembling a run: every ordered stream of one pass, and who drives each.
 
-:func:`open_stream` is the one entry point the Loader uses: it builds a
-:class:`~centralpipe.dispatch.reorder.Stream` over the tip of the central
-chain and gives it its driver — the worker stages inline in the consumer's
-thread (no pool), or the pool's feeder and supervisor.
+A :class:`Run` is one pass (an epoch, or the rest of one): one
+:class:`~centralpipe.dispatch.reorder.Stream` per parallel central stage
+(stream ids ``0..k-1``, in chain order) and one for the dispatch boundary
+(stream id ``k``), all over one executor through one
+:class:`~centralpipe.dispatch.supervisor.Session`. It is the Loader's only
+entry into this package: outputs, the checkpoint of every stream under one
+lock, the delivered view of ``count`` stages, worker states, and stop.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from centralpipe.dispatch.chain import WorkerChain
-from centralpipe.dispatch.pool import WorkerPool
+from centralpipe.dispatch.pool import Executor
 from centralpipe.dispatch.protocol import InFlight
-from centralpipe.dispatch.reorder import Stream, StreamStats
-from centralpipe.dispatch.sender import InlineDriver
-from centralpipe.dispatch.supervisor import Supervisor
-from centralpipe.stages import CentralNode
+from centralpipe.dispatch.reorder import Stamper, Stream, StreamStats
+from centralpipe.dispatch.sender import FeederDriver, InlineDriver, SegmentDriver
+from centralpipe.dispatch.supervisor import Policy, Session
+from centralpipe.stages import CentralNode, Parallel, Shard
 
-__all__ = ["PoolPolicy", "open_stream"]
-
-
-class PoolPolicy:
-    """How the supervisor treats faults (from ``WorkerConfig``)."""
-
-    def __init__(self, *, timeout_s: float | None, max_restarts: int, item_retries: int) -> None:
-        self.timeout_s = timeout_s
-        self.max_restarts = max_restarts
-        self.item_retries = item_retries
+__all__ = ["Policy", "Run", "StreamPlan", "empty_segment_entry"]
 
 
-def open_stream(
-    *,
-    nodes: Sequence[CentralNode[Any]],
-    chain: WorkerChain,
-    epoch: int,
-    next_seq: int,
-    resume: InFlight | None,
-    delivered_stamp: Any,
-    delivered: int = 0,
-    buffer_size: int | None,
-    chunk_size: int | None,
-    on_error: str,
-    stats: StreamStats,
-    dispatch_name: str,
-    pool: WorkerPool | None = None,
-    run_id: int = 0,
-    policy: PoolPolicy | None = None,
-) -> Stream:
-    """A started stream: inline when ``pool`` is ``None``, else over the pool."""
-    stream = Stream(
-        nodes=nodes,
-        chain=chain,
-        epoch=epoch,
-        next_seq=next_seq,
-        resume=resume,
-        delivered_stamp=delivered_stamp,
-        delivered=delivered,
-        buffer_size=buffer_size,
-        chunk_size=chunk_size,
-        on_error=on_error,
-        stats=stats,
-        dispatch_name=dispatch_name,
-        parallelism=1 if pool is None else len(pool.slots),
-    )
-    if pool is None:
-        stream.driver = InlineDriver(stream)
-    else:
-        assert policy is not None
-        stream.driver = Supervisor(
-            stream,
-            pool=pool,
-            run_id=run_id,
-            timeout_s=policy.timeout_s,
-            max_restarts=policy.max_restarts,
-            item_retries=policy.item_retries,
+class StreamPlan:
+    """Where one stream resumes: ``next_seq``, in-flight inputs, delivered stamp."""
+
+    def __init__(
+        self,
+        next_seq: int = 0,
+        resume: InFlight | None = None,
+        delivered_stamp: Any = None,
+    ) -> None:
+        self.next_seq = next_seq
+        self.resume = resume
+        self.delivered_stamp = delivered_stamp
+
+
+class Run:
+    """One pass over the central chain; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        nodes: Sequence[CentralNode[Any]],
+        chain: WorkerChain,
+        segment_chains: Sequence[WorkerChain],
+        epoch: int,
+        plans: dict[str, StreamPlan],
+        buffer_size: int | None,
+        chunk_size: int | None,
+        policy: Policy,
+        stats: StreamStats,
+        segment_stats: dict[str, StreamStats],
+        dispatch_name: str,
+        executor: Executor | None = None,
+        run_id: int = 0,
+        delivered: int = 0,
+        pinner: Any = None,
+    ) -> None:
+        self.nodes = list(nodes)
+        self.segments = [n for n in nodes if isinstance(n, Parallel)]
+        self.session = None if executor is None else Session(executor, run_id, policy, stats)
+        parallelism = 1 if executor is None else len(executor.slots)
+        common: dict[str, Any] = {
+            "epoch": epoch,
+            "buffer_size": buffer_size,
+            "chunk_size": chunk_size,
+            "on_error": policy.on_error,
+            "parallelism": parallelism,
+        }
+        self.segment_streams: list[Stream] = []
+        for i, (node, seg_chain) in enumerate(zip(self.segments, segment_chains)):
+            assert isinstance(node.source, CentralNode)
+            node.stamper = Stamper(node.source.chain())
+            plan = plans.get(node.name, StreamPlan())
+            stream = Stream(
+                tip=node.source,
+                stamper=node.stamper,
+                chain=seg_chain,
+                next_seq=plan.next_seq,
+                resume=plan.resume,
+                delivered_stamp=plan.delivered_stamp,
+                stats=segment_stats[node.name],
+                dispatch_name=node.name,
+                stream_id=i,
+                **common,
+            )
+            stream.driver = (
+                InlineDriver(stream)
+                if self.session is None
+                else SegmentDriver(stream, self.session)
+            )
+            self.segment_streams.append(stream)
+        plan = plans.get(dispatch_name, StreamPlan())
+        self.stream = Stream(
+            tip=self.nodes[-1],
+            stamper=Stamper(self.nodes),
+            chain=chain,
+            next_seq=plan.next_seq,
+            resume=plan.resume,
+            delivered_stamp=plan.delivered_stamp,
+            stats=stats,
+            dispatch_name=dispatch_name,
+            stream_id=len(self.segments),
+            delivered=delivered,
+            rng_base=_rng_base(self.nodes),
+            **common,
         )
-    return stream
+        self.stream.pinner = pinner
+        feeder: FeederDriver | None = None
+        if self.session is not None and chain.specs:
+            feeder = FeederDriver(self.stream, self.session)
+            self.stream.driver = feeder
+        else:
+            # No worker stages after the boundary: the consumer's thread runs
+            # the central chain (parallel stages still use the workers).
+            self.stream.driver = InlineDriver(self.stream, on_stop=self._stop_session)
+        if self.session is not None:
+            self.session.streams = [*self.segment_streams, self.stream]
+            self.session.start()
+        for node, stream in zip(self.segments, self.segment_streams):
+            node.attach(stream)
+        if feeder is not None:
+            feeder.start()
+
+    # -- what the Loader reads ---------------------------------------------------
+
+    @property
+    def stopping(self) -> bool:
+        return self.stream.stopping
+
+    def outputs(self) -> Iterator[Any]:
+        return self.stream.outputs()
+
+    def reading(self) -> contextlib.AbstractContextManager[None]:
+        return self.stream.reading()
+
+    def capture(self) -> dict[str, Any]:
+        """Central states, the dispatch boundary's and every parallel stage's
+        in-flight inputs, all at the consumer's position (one lock)."""
+        with self.stream.reading():
+            body = self.stream.capture_unlocked()
+            body["central"] = {node.name: node.own_state() for node in self.nodes}
+            body["segments"] = {
+                node.name: _segment_entry(stream.capture_unlocked())
+                for node, stream in zip(self.segments, self.segment_streams)
+            }
+        return body
+
+    def delivered_stamp(self) -> Any:
+        return self.stream.delivered_stamp()
+
+    def stamped_nodes(self) -> list[CentralNode[Any]]:
+        return self.stream.stamper.stamped
+
+    @property
+    def in_flight(self) -> int:
+        return self.stream.in_flight
+
+    def delivered_in_chunk(self) -> int:
+        return self.stream.delivered_in_chunk()
+
+    def segment_in_flight(self) -> dict[str, int]:
+        return {n.name: s.in_flight for n, s in zip(self.segments, self.segment_streams)}
+
+    def worker_states(self) -> list[Any] | None:
+        """Each worker's stateful-stage states (``None`` without workers)."""
+        return None if self.session is None else self.session.worker_states()
+
+    # -- stopping ----------------------------------------------------------------
+
+    def _stop_session(self) -> None:
+        if self.session is not None:
+            self.session.stop()
+
+    def stop(self) -> None:
+        """Stop every stream and the session; idempotent and bounded."""
+        if self.session is not None:
+            self.session.abandoned = True  # first: waiting senders give up
+            self.session.notify()
+        for stream in self.segment_streams:
+            stream.stop()
+        self.stream.stop()
+        self._stop_session()
+
+
+def _rng_base(nodes: Sequence[CentralNode[Any]]) -> tuple[int, int, int]:
+    """``with_rng`` keys after ``dispatch()``: an item's stream position (rank r
+    of W gets base + s*W + r), so its random stream is the same on any world
+    size; its seq without a shard."""
+    shard = next((n for n in nodes if isinstance(n, Shard)), None)
+    return (0, 1, 0) if shard is None else (shard.base, shard.ctx.world_size, shard.ctx.rank)
+
+
+def _segment_entry(captured: dict[str, Any]) -> dict[str, Any]:
+    """A parallel stage's checkpoint entry: the dispatch boundary's fields."""
+    entry = dict(captured["in_flight"])
+    entry["next_seq"] = captured["next_seq"]
+    entry["delivered_stamp"] = captured["delivered_stamp"]
+    return entry
+
+
+def empty_segment_entry() -> dict[str, Any]:
+    """The entry of a parallel stage before its first run."""
+    return {
+        "first_seq": 0,
+        "items": [],
+        "stamps": None,
+        "skip_outputs": 0,
+        "skip": [],
+        "next_seq": 0,
+        "delivered_stamp": None,
+    }

@@ -14,12 +14,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from centralpipe.dispatch.protocol import (
-    STATUS_SEQ,
-    STATUS_STAGE,
-    STATUS_STARTED,
     ChunkResult,
     StageFailure,
     exception_text,
+    status_begin,
+    status_idle,
+    status_stage,
 )
 from centralpipe.pipeline import WORKER_KINDS, StageSpec
 from centralpipe.seeding import derive_seed
@@ -48,7 +48,7 @@ class WorkerChain:
         self._plain_maps = [fn for _, _, fn, _ in self._stages] if plain else None
 
     def _run_plain(
-        self, first_seq: int, items: Sequence[Any], outputs: list[Any], status: Any
+        self, stream: int, first_seq: int, items: Sequence[Any], outputs: list[Any], status: Any
     ) -> StageFailure | None:
         """Run plain map stages over ``items`` into ``outputs`` until one
         raises; that failure is returned (its item is ``len(outputs)``) so no
@@ -70,10 +70,10 @@ class WorkerChain:
                         append(item)
             else:
                 for i, item in enumerate(items):
-                    status[STATUS_SEQ] = first_seq + i
-                    status[STATUS_STARTED] = time.monotonic()
+                    status_begin(status, stream, first_seq + i, 0)
                     for k, fn in enumerate(fns):
-                        status[STATUS_STAGE] = k
+                        if k:
+                            status_stage(status, k)
                         item = fn(item)
                     append(item)
         except Exception as exc:
@@ -90,10 +90,10 @@ class WorkerChain:
         items: Sequence[Any],
         skip: frozenset[int] = frozenset(),
         status: Any = None,
+        stream: int = 0,
         rng_key: tuple[int, int] | None = None,
     ) -> ChunkResult:
-        """Run every input of a chunk; a failing input is recorded, not raised.
-        ``rng_key`` is ``(key of input 0, step)`` for ``with_rng`` (default: seq)."""
+        """Run every input of a chunk; a failing input is recorded, not raised."""
         key0, step = rng_key if rng_key is not None else (first_seq, 1)
         start = time.perf_counter()
         outputs: list[Any] = []
@@ -101,10 +101,10 @@ class WorkerChain:
         failures: list[StageFailure] = []
         begin = 0
         if self._plain_maps is not None and not skip:
-            failure = self._run_plain(first_seq, items, outputs, status)
+            failure = self._run_plain(stream, first_seq, items, outputs, status)
             if failure is None:
                 if status is not None:
-                    status[STATUS_STARTED] = 0.0
+                    status_idle(status)
                 return ChunkResult(outputs, None, None, time.perf_counter() - start)
             # Item ``failure.at`` raised: record it and go on item by item.
             failures.append(failure)
@@ -115,15 +115,14 @@ class WorkerChain:
             item = items[i]
             seq = first_seq + i
             if status is not None:
-                status[STATUS_SEQ] = seq
-                status[STATUS_STARTED] = time.monotonic()
+                status_begin(status, stream, seq, 0)
             if i in skip:
                 counts.append(0)
                 continue
             values = [item]
             for stage_index, (kind, name, fn, with_rng) in enumerate(stages):
-                if status is not None:
-                    status[STATUS_STAGE] = stage_index
+                if status is not None and stage_index:
+                    status_stage(status, stage_index)
                 try:
                     values = self._apply(kind, name, fn, with_rng, values, epoch, key0 + i * step)
                 except Exception as exc:
@@ -137,7 +136,7 @@ class WorkerChain:
             outputs.extend(values)
             counts.append(len(values))
         if status is not None:
-            status[STATUS_STARTED] = 0.0
+            status_idle(status)
         return ChunkResult(
             outputs,
             counts,
@@ -153,11 +152,11 @@ class WorkerChain:
         with_rng: bool,
         values: list[Any],
         epoch: int,
-        key: int,
+        seq: int,
     ) -> list[Any]:
         if kind in ("map", "collate"):
             if with_rng:
-                rng = self.make_rng(epoch, key, name)
+                rng = self.make_rng(epoch, seq, name)
                 return [fn(v, rng) for v in values]
             return [fn(v) for v in values]
         if kind == "filter":
@@ -166,12 +165,11 @@ class WorkerChain:
             return [out for v in values for out in fn(v)]
         raise AssertionError(f"unknown worker stage kind {kind!r}")
 
-    def make_rng(self, epoch: int, key: int, stage: str) -> Any:
-        """The generator of item ``key`` (its seq, or its stream position with a shard)."""
+    def make_rng(self, epoch: int, seq: int, stage: str) -> Any:
         import torch
 
         rng = torch.Generator()
-        rng.manual_seed(derive_seed(self.seed, epoch, key, stage))
+        rng.manual_seed(derive_seed(self.seed, epoch, seq, stage))
         return rng
 
     def states(self) -> dict[str, Any]:

@@ -1,41 +1,53 @@
-"""The worker processes: start, replace, and shut down.
+"""The executors: where worker stages run — processes or threads.
 
-Each slot has one process and one duplex pipe. A shared status array per slot
-says which ``seq`` (and stage) the worker is on and since when, so the main
-process can time out a hung item and name the item that killed a worker
-without asking the worker anything. Shutdown escalates stop message → join →
-terminate → kill, each with a bounded timeout.
+An :class:`Executor` owns ``num_workers`` *slots*; each slot has one worker
+(a process with a duplex pipe, or a thread with an inbox queue), a send lock
+and a shared status array (see :mod:`centralpipe.dispatch.protocol`). The
+supervisor talks to both kinds through the same few calls: ``send`` (blocking,
+by the sending thread only), ``wait`` (by the supervisor thread only),
+``replace``, ``kill`` and ``close``.
+
+Shutdown of processes escalates: close our pipe ends (a worker reading gets
+EOF, one writing gets EPIPE) → join → terminate → kill, each bounded. Threads
+cannot be killed: they get an end-of-input marker and are joined briefly; a
+thread stuck in user code is left behind as a daemon thread.
 """
 
 from __future__ import annotations
 
+import abc
 import multiprocessing as mp
 import os
+import queue
 import threading
-from multiprocessing.connection import Connection
-from typing import Any
+import types
+from multiprocessing.connection import Connection, wait
+from typing import Any, NamedTuple
 
+from centralpipe.dispatch import protocol
 from centralpipe.dispatch.protocol import (
+    MSG_RESULT,
+    MSG_STATES,
     STATUS_LEN,
     STATUS_READY,
-    STATUS_SEQ,
-    STATUS_STAGE,
-    STATUS_STARTED,
+    Encoded,
+    read_status,
 )
-from centralpipe.dispatch.worker import WorkerSpec, worker_main
+from centralpipe.dispatch.worker import WorkerSpec, serve, worker_main
 
-__all__ = ["Slot", "WorkerPool", "describe_exit"]
+__all__ = ["Event", "Executor", "ProcessPool", "Slot", "ThreadPool", "describe_exit", "warm_up"]
 
 _JOIN_TIMEOUT_S = 2.0
 _TERMINATE_TIMEOUT_S = 1.0
 _KILL_TIMEOUT_S = 5.0
+_THREAD_JOIN_TIMEOUT_S = 1.0
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
-
-
 #: What the forkserver imports once, before it forks any worker: the worker
 #: loop and what it needs (torch, numpy). The user's stage functions are
 #: imported by each worker; their modules may not be importable by the server.
 FORKSERVER_PRELOAD = ["centralpipe.dispatch.worker"]
+#: ``current_run`` value that makes every worker skip whatever is queued.
+ABANDON_ALL = 2**62
 
 
 def warm_up(start_method: str) -> None:
@@ -72,79 +84,140 @@ def describe_exit(exitcode: int | None) -> str:
 
 
 class Slot:
-    """One worker position: its current process, pipe, and status."""
+    """One worker position: its current worker, channel, and status."""
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self.process: Any = None
-        self.conn: Connection | None = None
+        self.process: Any = None  # a Process, or a Thread
+        self.conn: Connection | None = None  # processes
+        self.inbox: queue.Queue[Encoded | None] | None = None  # threads
         self.status: Any = None
         self.gen = 0  # bumped at each replacement; chunks remember where they went
         self.send_lock = threading.Lock()
-        self.retired: list[Connection] = []
         # Write end of the worker's death pipe (see dispatch.worker): held
         # here alone, closed when the worker is replaced or the pool closes.
         self.death: Connection | None = None
-        self.items = 0
 
     def ready(self) -> bool:
         """The worker got as far as its receive loop."""
-        return bool(self.status[STATUS_READY])
+        return self.status is not None and bool(self.status[STATUS_READY])
 
-    def busy_seq(self) -> tuple[int | None, int | None, float]:
-        """(seq, stage index, started monotonic time) of the item in progress."""
-        started = self.status[STATUS_STARTED]
-        if not started:
-            return None, None, 0.0
-        return int(self.status[STATUS_SEQ]), int(self.status[STATUS_STAGE]), started
+    def busy(self) -> tuple[int, int, int, float] | None:
+        """``(stream, seq, stage index, started)`` of the item in progress."""
+        return None if self.status is None else read_status(self.status)
 
 
-class WorkerPool:
-    """``num_workers`` worker processes, started with ``start_method``."""
+class Event(NamedTuple):
+    """A message from a slot's worker, or (``message is None``) its death."""
 
-    def __init__(self, num_workers: int, start_method: str, spec: WorkerSpec) -> None:
-        self.ctx: Any = mp.get_context(start_method)
-        self.start_method = start_method
+    slot: Slot
+    message: Any
+
+
+class Executor(abc.ABC):
+    """``num_workers`` workers running :func:`~centralpipe.dispatch.worker.serve`."""
+
+    kind = ""
+    #: Whether a hung worker can be killed and replaced.
+    can_kill = True
+
+    def __init__(self, num_workers: int, spec: WorkerSpec) -> None:
         self.spec = spec
         self.slots = [Slot(i) for i in range(num_workers)]
-        self.current_run = self.ctx.RawValue("q", 0)
         self.closed = False
-        if start_method == "forkserver":
-            warm_up(start_method)
 
     def start(self) -> None:
         for slot in self.slots:
             self._start(slot)
 
-    def _parent_fds(self) -> list[int]:
-        fds = []
+    def ensure_alive(self) -> None:
+        """Replace workers that died (or were given up) between runs."""
         for slot in self.slots:
-            for conn in (slot.conn, slot.death, *slot.retired):
-                if conn is not None and not conn.closed:
-                    fds.append(conn.fileno())
+            if slot.process is None or not slot.process.is_alive():
+                self.replace(slot)
+
+    @abc.abstractmethod
+    def _start(self, slot: Slot) -> None: ...
+
+    @abc.abstractmethod
+    def set_run(self, run_id: int) -> None:
+        """Workers skip chunks of runs before ``run_id``."""
+
+    @abc.abstractmethod
+    def send(self, slot: Slot, message: Encoded) -> bool:
+        """Hand a chunk to the slot's worker (may block while its input is
+        full); ``False`` when the worker is gone. Call with ``slot.send_lock``."""
+
+    @abc.abstractmethod
+    def send_control(self, slot: Slot, obj: Any) -> bool:
+        """A control message (e.g. a state request); ``False`` if gone."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: float) -> list[Event]:
+        """Messages and deaths, waiting at most ``timeout`` seconds."""
+
+    @abc.abstractmethod
+    def interrupt(self) -> None:
+        """Make a ``wait`` in progress return now (e.g. to stop)."""
+
+    @abc.abstractmethod
+    def replace(self, slot: Slot) -> None:
+        """A fresh worker in ``slot`` (the old one killed if needed)."""
+
+    @abc.abstractmethod
+    def kill(self, slot: Slot) -> None:
+        """Stop the slot's worker now, without waiting (processes only)."""
+
+    @abc.abstractmethod
+    def exit_text(self, slot: Slot) -> str:
+        """How the slot's (dead) worker ended."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop every worker within bounded time; idempotent."""
+
+
+class ProcessPool(Executor):
+    """Worker processes started with ``start_method``."""
+
+    kind = "process"
+
+    def __init__(self, num_workers: int, spec: WorkerSpec, start_method: str) -> None:
+        super().__init__(num_workers, spec)
+        self.ctx: Any = mp.get_context(start_method)
+        self.start_method = start_method
+        self.current_run = self.ctx.RawValue("q", 0)
+        # A pipe to ourselves: interrupt() makes wait() return at once.
+        self._wake_r, self._wake_w = mp.Pipe(duplex=False)
+        if start_method == "forkserver":
+            warm_up(start_method)
+
+    def _parent_fds(self) -> list[int]:
+        conns = [c for s in self.slots for c in (s.conn, s.death)]
+        fds = [c.fileno() for c in conns if c is not None and not c.closed]
+        if not self._wake_r.closed:
+            fds += [self._wake_r.fileno(), self._wake_w.fileno()]
         return fds
 
     def _start(self, slot: Slot) -> None:
         parent, child = self.ctx.Pipe(duplex=True)
-        for conn in (parent, child):
-            _grow_socket_buffers(conn)
-        slot.status = self.ctx.RawArray("d", STATUS_LEN)
         death_r, death_w = self.ctx.Pipe(duplex=False)
-        close_fds = (
-            [*self._parent_fds(), parent.fileno(), death_w.fileno()]
-            if self.start_method == "fork"
-            else []
-        )
-        args = (slot.index, child, self.spec, slot.status, self.current_run, close_fds, death_r)
-        proc = self.ctx.Process(
-            target=worker_main,
-            args=args,
-            name=f"centralpipe-worker-{slot.index}",
-            daemon=True,
-        )
         try:
+            for conn in (parent, child):
+                _grow_socket_buffers(conn)
+            slot.status = self.ctx.RawArray("d", STATUS_LEN)
+            close_fds = (
+                [*self._parent_fds(), parent.fileno(), death_w.fileno()]
+                if self.start_method == "fork"
+                else []
+            )
+            args = (slot.index, child, self.spec, slot.status, self.current_run, close_fds, death_r)
+            proc = self.ctx.Process(
+                target=worker_main, args=args, name=f"centralpipe-worker-{slot.index}", daemon=True
+            )
             proc.start()
         except BaseException:
+            parent.close()  # a failed start leaks no end of either pipe
             death_w.close()
             raise
         finally:
@@ -154,42 +227,93 @@ class WorkerPool:
         slot.conn = parent
         slot.death = death_w
 
-    def replace(self, slot: Slot) -> int | None:
-        """Kill (if needed) and reap the slot's process, start a new one;
-        returns the old exit code. The old pipe is kept open in ``retired``
-        until :meth:`close_retired`, so a sender thread still holding it can
-        never write into a reused file descriptor."""
-        old = slot.process
-        exitcode = _reap(old)
-        _close_death(slot)
-        if slot.conn is not None:
-            slot.retired.append(slot.conn)
-        slot.conn = None
-        self._start(slot)
-        slot.gen += 1
-        return exitcode
-
-    def close_retired(self) -> None:
-        for slot in self.slots:
-            for conn in slot.retired:
-                conn.close()
-            slot.retired.clear()
-
-    def ensure_alive(self) -> None:
-        """Replace workers that died between runs."""
-        for slot in self.slots:
-            if slot.process is None or not slot.process.is_alive():
-                self.replace(slot)
-
     def set_run(self, run_id: int) -> None:
         self.current_run.value = run_id
 
+    def send(self, slot: Slot, message: Encoded) -> bool:
+        if slot.conn is None:
+            return False
+        try:
+            protocol.send_encoded(slot.conn, message)
+            return True
+        except (OSError, EOFError, ValueError):
+            return False  # the worker died; the supervisor replaces it
+
+    def send_control(self, slot: Slot, obj: Any) -> bool:
+        return self.send(slot, protocol.encode(obj))
+
+    def wait(self, timeout: float) -> list[Event]:
+        waitables: dict[Any, Slot] = {}
+        for slot in self.slots:
+            if slot.conn is not None:
+                waitables[slot.conn] = slot
+            if slot.process is not None:
+                waitables[slot.process.sentinel] = slot
+        events: list[Event] = []
+        dead: set[int] = set()
+        wake = self._wake_r
+        for obj in wait([*waitables, wake], timeout):
+            if obj is wake:
+                while wake.poll():
+                    wake.recv_bytes()
+                continue
+            slot = waitables[obj]
+            if slot.index in dead:
+                continue
+            if isinstance(obj, Connection):
+                try:
+                    events.append(Event(slot, protocol.recv(obj)))
+                    continue
+                except (EOFError, OSError):
+                    pass
+            dead.add(slot.index)
+            events.append(Event(slot, None))
+        return events
+
+    def interrupt(self) -> None:
+        if not self.closed:
+            self._wake_w.send_bytes(b"")
+
+    def replace(self, slot: Slot) -> None:
+        """Kill (if needed) and reap the slot's process, close its pipe and
+        start a new one. The caller holds ``slot.send_lock``, so no sender is
+        writing to the old pipe while it is closed."""
+        old, slot.process = slot.process, None
+        _reap(old)
+        _close_death(slot)
+        if slot.conn is not None:
+            slot.conn.close()  # at once: one fd per restart must not pile up
+            slot.conn = None
+        slot.gen += 1
+        self._start(slot)
+
+    def kill(self, slot: Slot) -> None:
+        proc = slot.process
+        try:
+            if proc is not None and proc.is_alive():
+                proc.kill()
+        except (ProcessLookupError, ValueError):
+            pass
+
+    def exit_text(self, slot: Slot) -> str:
+        proc = slot.process
+        if proc is None:
+            return "died"
+        proc.join(5.0)
+        return f"died ({describe_exit(proc.exitcode)})"
+
+    def exitcode(self, slot: Slot) -> int | None:
+        proc = slot.process
+        try:
+            return None if proc is None else proc.exitcode
+        except ValueError:  # pragma: no cover - closed process object
+            return None
+
     def close(self) -> None:
-        """Stop every worker within bounded time; idempotent."""
         if self.closed:
             return
         self.closed = True
-        self.current_run.value = 2**62  # workers skip whatever is still queued
+        self.current_run.value = ABANDON_ALL
         # No stop message: a blocking send could wait forever on a worker that
         # is itself blocked writing a result nobody reads. Closing our ends is
         # the signal: a worker reading gets EOF, one writing gets EPIPE, and
@@ -203,7 +327,119 @@ class WorkerPool:
                 _reap(slot.process, graceful=True)
                 slot.process = None
             _close_death(slot)
-        self.close_retired()
+        self._wake_r.close()
+        self._wake_w.close()
+
+
+class ThreadPool(Executor):
+    """Worker threads in this process: for functions that release the GIL
+    (tokenizers in Rust or C++, torch ops, decoders) and free-threaded
+    Python. Items are copied on the way in, as a process would receive them;
+    outputs are handed over as they are."""
+
+    kind = "thread"
+    can_kill = False
+
+    def __init__(self, num_workers: int, spec: WorkerSpec) -> None:
+        super().__init__(num_workers, spec)
+        self.current_run = types.SimpleNamespace(value=0)
+        self.outbox: queue.Queue[tuple[int, int, Any] | None] = queue.Queue()
+
+    def _start(self, slot: Slot) -> None:
+        inbox: queue.Queue[Encoded | None] = queue.Queue()
+        slot.inbox = inbox
+        slot.status = [0.0] * STATUS_LEN
+        gen, index, outbox = slot.gen, slot.index, self.outbox
+
+        def recv() -> Any:
+            message = inbox.get()
+            if message is None:
+                raise EOFError
+            return protocol.decode(message)
+
+        def send_result(run_id: int, stream: int, cid: int, result: Any, per: bool) -> bool:
+            # Not serialised: outputs are grouped per input where the
+            # supervisor expects them so (a chunk re-sent item by item).
+            if per and not isinstance(result.outputs, protocol.Undecodable):
+                result = protocol.group_outputs(result)
+            outbox.put((index, gen, (MSG_RESULT, run_id, stream, cid, result)))
+            return True
+
+        def send_states(states: Any) -> bool:
+            outbox.put((index, gen, (MSG_STATES, states)))
+            return True
+
+        def run() -> None:
+            try:
+                serve(recv, send_result, send_states, self.spec, slot.status, self.current_run)
+            finally:
+                outbox.put((index, gen, None))
+
+        thread = threading.Thread(target=run, name=f"centralpipe-worker-{index}", daemon=True)
+        thread.start()
+        slot.process = thread
+
+    def set_run(self, run_id: int) -> None:
+        self.current_run.value = run_id
+
+    def send(self, slot: Slot, message: Encoded) -> bool:
+        if slot.inbox is None or self.closed:
+            return False
+        slot.inbox.put(message)
+        return True
+
+    def send_control(self, slot: Slot, obj: Any) -> bool:
+        return self.send(slot, protocol.encode(obj))
+
+    def wait(self, timeout: float) -> list[Event]:
+        events: list[Event] = []
+        try:
+            got = [self.outbox.get(timeout=timeout)]
+        except queue.Empty:
+            return events
+        while True:
+            try:
+                got.append(self.outbox.get_nowait())
+            except queue.Empty:
+                break
+        for entry in got:
+            if entry is None:  # interrupt()
+                continue
+            index, gen, msg = entry
+            slot = self.slots[index]
+            if gen == slot.gen:  # else: from a worker given up on
+                events.append(Event(slot, msg))
+        return events
+
+    def interrupt(self) -> None:
+        self.outbox.put(None)
+
+    def replace(self, slot: Slot) -> None:
+        """A fresh thread in ``slot``; an old one still running (stuck in user
+        code: threads cannot be killed) is given up and its results ignored."""
+        if slot.inbox is not None:
+            slot.inbox.put(None)
+        slot.gen += 1
+        self._start(slot)
+
+    def kill(self, slot: Slot) -> None:
+        """Threads cannot be killed; see :meth:`replace`."""
+
+    def exit_text(self, slot: Slot) -> str:
+        return "stopped (its thread ended)"
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.current_run.value = ABANDON_ALL
+        for slot in self.slots:
+            if slot.inbox is not None:
+                slot.inbox.put(None)
+        for slot in self.slots:
+            if slot.process is not None:
+                slot.process.join(_THREAD_JOIN_TIMEOUT_S)
+                slot.process = None
 
 
 def _close_death(slot: Slot) -> None:
@@ -253,12 +489,3 @@ def _reap(proc: Any, graceful: bool = False) -> int | None:
     except ValueError:  # pragma: no cover - still running after kill
         pass
     return code
-
-
-def kill_now(proc: Any) -> None:
-    """SIGKILL a worker (hung item) without waiting."""
-    try:
-        if proc is not None and proc.is_alive():
-            proc.kill()
-    except (ProcessLookupError, ValueError):
-        pass

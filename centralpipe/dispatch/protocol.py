@@ -7,8 +7,10 @@ framing), so a different transport plugs in at one place.
 
 Messages (tuples, first element the kind):
 
-- ``(MSG_CHUNK, run_id, cid, epoch, first_seq, items, skip, per_item, rng_key)`` main → worker
-- ``(MSG_RESULT, run_id, cid, ChunkResult)`` worker → main
+- ``(MSG_CHUNK, run_id, stream_id, cid, epoch, first_seq, items, skip, per_item, rng_key)``
+  main → worker; ``stream_id`` picks the worker chain (one per ordered
+  stream: each parallel central stage, then the dispatch boundary)
+- ``(MSG_RESULT, run_id, stream_id, cid, ChunkResult)`` worker → main
 - ``(MSG_STATES,)`` main → worker, answered by ``(MSG_STATES, states)``
 
 A chunk's items and a result's outputs travel *sealed*
@@ -20,13 +22,16 @@ exactly the items that cannot cross fail (at the boundary stage for inputs,
 at the last worker stage for outputs) and every item before them is delivered.
 
 A worker also publishes its progress in a shared status array (``STATUS_*``
-slots): the ``seq`` and stage index of the item it is on and since when, so
-the main process can time out a hung item and name the item that killed a
-worker without asking it anything.
+slots): the stream, ``seq`` and stage index of the item it is on and since
+when, so the main process can time out a hung item and name the item that
+killed a worker without asking it anything. The worker is the only writer; a
+version counter (odd while a write is in progress) lets a reader retry
+instead of reading a torn mix of two items (a seqlock).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
@@ -42,19 +47,30 @@ __all__ = [
     "STATUS_SEQ",
     "STATUS_STAGE",
     "STATUS_STARTED",
+    "STATUS_STREAM",
+    "STATUS_VERSION",
     "Chunk",
     "ChunkResult",
     "Encoded",
     "InFlight",
     "StageFailure",
     "Undecodable",
+    "chunk_message",
     "copy_items",
+    "decode",
     "encode",
     "exception_text",
+    "group_outputs",
     "picklable_error",
+    "read_status",
     "recv",
+    "seal_outputs",
     "send",
     "send_encoded",
+    "status_begin",
+    "status_idle",
+    "status_stage",
+    "unseal_outputs",
 ]
 
 MSG_CHUNK = 1
@@ -62,8 +78,52 @@ MSG_RESULT = 2
 MSG_STATES = 3
 
 # status slots shared between a worker and the main process
-STATUS_SEQ, STATUS_STARTED, STATUS_STAGE, STATUS_READY = 0, 1, 2, 3
-STATUS_LEN = 4
+STATUS_VERSION, STATUS_SEQ, STATUS_STARTED, STATUS_STAGE, STATUS_STREAM, STATUS_READY = range(6)
+STATUS_LEN = 6
+#: Reads of a status array retried while the worker is writing it.
+_STATUS_READ_TRIES = 1000
+
+
+def status_begin(status: Any, stream: int, seq: int, stage: int) -> None:
+    """The worker starts item ``seq`` of ``stream`` at stage index ``stage``."""
+    v = status[STATUS_VERSION]
+    status[STATUS_VERSION] = v + 1
+    status[STATUS_SEQ] = seq
+    status[STATUS_STREAM] = stream
+    status[STATUS_STAGE] = stage
+    status[STATUS_STARTED] = time.monotonic()
+    status[STATUS_VERSION] = v + 2
+
+
+def status_stage(status: Any, stage: int) -> None:
+    """The worker moves on to stage index ``stage`` of the same item."""
+    v = status[STATUS_VERSION]
+    status[STATUS_VERSION] = v + 1
+    status[STATUS_STAGE] = stage
+    status[STATUS_VERSION] = v + 2
+
+
+def status_idle(status: Any) -> None:
+    """The worker finished its chunk."""
+    v = status[STATUS_VERSION]
+    status[STATUS_VERSION] = v + 1
+    status[STATUS_STARTED] = 0.0
+    status[STATUS_VERSION] = v + 2
+
+
+def read_status(status: Any) -> tuple[int, int, int, float] | None:
+    """``(stream, seq, stage index, started)`` of the item a worker is on, or
+    ``None`` when it is idle; never a torn mix of two items."""
+    for _ in range(_STATUS_READ_TRIES):
+        v = status[STATUS_VERSION]
+        if int(v) % 2:
+            continue
+        started = status[STATUS_STARTED]
+        values = (int(status[STATUS_STREAM]), int(status[STATUS_SEQ]), int(status[STATUS_STAGE]))
+        if status[STATUS_VERSION] != v:
+            continue
+        return None if not started else (*values, started)
+    return None  # pragma: no cover - a writer stuck mid-write (killed): idle
 
 
 Undecodable = transport.Undecodable
@@ -134,8 +194,8 @@ class Chunk:
         # inputs that cannot be pickled (failures at the boundary stage) and
         # poison items (with on_error="raise"): failures known before a result
         self.unsendable: list[StageFailure] = []
-        self.per_item = False  # items and outputs sealed one by one (see above)
         self.pinned: Any = None  # a Future of the pinned outputs (pin_memory=True)
+        self.per_item = False  # items and outputs sealed one by one (see above)
 
 
 class InFlight:
@@ -186,20 +246,21 @@ def recv(conn: Connection) -> Any:
 
 def chunk_message(
     run_id: int,
+    stream: int,
     chunk: Chunk,
     epoch: int,
     items: list[Any],
     skip: frozenset[int],
     rng_key: tuple[int, int],
 ) -> tuple[Any, ...]:
-    """The ``MSG_CHUNK`` message of ``chunk`` with these items; ``rng_key`` is
-    the ``with_rng`` key of its first item and the step between items."""
+    """The ``MSG_CHUNK`` message of ``chunk`` (of stream ``stream``) with these items."""
     sealed: Any = (
         [transport.Sealed(x) for x in items] if chunk.per_item else transport.Sealed(items)
     )
     return (
         MSG_CHUNK,
         run_id,
+        stream,
         chunk.cid,
         epoch,
         chunk.first_seq,
@@ -210,17 +271,23 @@ def chunk_message(
     )
 
 
-def seal_outputs(result: ChunkResult, per_item: bool) -> ChunkResult:
-    """The result as a worker sends it: outputs sealed whole, or per input."""
-    if not per_item:
-        return result._replace(outputs=transport.Sealed(result.outputs))  # type: ignore[arg-type]
+def group_outputs(result: ChunkResult) -> ChunkResult:
+    """The result with its outputs grouped per input (a list per input)."""
     counts = result.counts or [1] * len(result.outputs)
     groups = []
     pos = 0
     for n in counts:
-        groups.append(transport.Sealed(result.outputs[pos : pos + n]))
+        groups.append(result.outputs[pos : pos + n])
         pos += n
     return ChunkResult(groups, list(counts), result.failures, result.elapsed_s)
+
+
+def seal_outputs(result: ChunkResult, per_item: bool) -> ChunkResult:
+    """The result as a worker sends it: outputs sealed whole, or per input."""
+    if not per_item:
+        return result._replace(outputs=transport.Sealed(result.outputs))  # type: ignore[arg-type]
+    grouped = group_outputs(result)
+    return grouped._replace(outputs=[transport.Sealed(g) for g in grouped.outputs])
 
 
 def unseal_outputs(result: ChunkResult, stage: str | None, boundary: str) -> ChunkResult:
@@ -242,6 +309,11 @@ def unseal_outputs(result: ChunkResult, stage: str | None, boundary: str) -> Chu
             counts.append(len(group))
     failures.sort(key=lambda f: f.at)
     return ChunkResult(outputs, counts, failures or None, result.elapsed_s)
+
+
+def decode(message: Encoded) -> Any:
+    """Inverse of :func:`encode` (a fresh copy of the object)."""
+    return transport.loads(message.head, [bytearray(b) for b in message.buffers])
 
 
 def copy_items(items: list[Any]) -> list[Any]:

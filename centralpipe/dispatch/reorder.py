@@ -36,13 +36,13 @@ from centralpipe.dispatch.protocol import Chunk, ChunkResult, InFlight
 from centralpipe.errors import CheckpointError, WorkerError
 from centralpipe.stages import CentralNode, Shard
 
-__all__ = ["FIRST_CHUNK", "Driver", "Stream", "StreamStats"]
+__all__ = ["FIRST_CHUNK", "Driver", "Stamper", "Stream", "StreamStats"]
 
 logger = logging.getLogger("centralpipe")
-#: How often the consumer, waiting for the pin thread, checks for a stop.
-_PIN_POLL_S = 0.1
 
 FIRST_CHUNK = 16
+#: How often the consumer, waiting for the pin thread, checks for a stop.
+_PIN_POLL_S = 0.1
 
 
 class Driver(abc.ABC):
@@ -58,6 +58,45 @@ class Driver(abc.ABC):
     def worker_states(self) -> list[Any] | None:
         """The workers' stateful-stage states (``None``: not a pool)."""
         return None
+
+
+class Stamper:
+    """Totals of the ``count``/``shard`` stages up to a point of the central
+    chain, as of the last item that left that point: a stream stamps each item
+    it pulls with it, so ``query(name, delivered=True)`` is exact.
+
+    Stages before a parallel stage are read through that stage's stream (as
+    of the input of its last output), the others live.
+    """
+
+    def __init__(self, nodes: Sequence[CentralNode[Any]]) -> None:
+        last = max((i for i, n in enumerate(nodes) if getattr(n, "parallel", False)), default=-1)
+        self.segment: Any = nodes[last] if last >= 0 else None
+        self.live = [n for n in nodes[last + 1 :] if n.stamped]
+        below = self.segment.stamper.stamped if self.segment is not None else []
+        #: Every stamped stage up to this point, in chain order.
+        self.stamped: list[CentralNode[Any]] = [*below, *self.live]
+        # A count before a shard is read through the shard: the totals as the
+        # item reached it (after an elastic resume its queued items carry their own).
+        self._getters: list[Any] = []
+        shards: list[Any] = [n for n in self.live if isinstance(n, Shard)]
+        for n in self.live:
+            if isinstance(n, Shard):
+                self._getters.append(n.stamp)
+                continue
+            owner = next((sh for sh in shards if n in sh.counts), None)
+            if owner is None:
+                self._getters.append(n.totals)
+            else:
+                self._getters.append(functools.partial(owner.count_stamp, owner.counts.index(n)))
+
+    def __call__(self) -> Any:
+        if not self.stamped:
+            return None
+        live = tuple(get() for get in self._getters)
+        if self.segment is None or not self.segment.stamper.stamped:
+            return live
+        return tuple(self.segment.out_stamp()) + live
 
 
 class StreamStats:
@@ -82,22 +121,26 @@ class Stream:
     def __init__(
         self,
         *,
-        nodes: Sequence[CentralNode[Any]],
+        tip: CentralNode[Any],
+        stamper: Stamper,
         chain: WorkerChain,
         epoch: int,
         next_seq: int,
         resume: InFlight | None,
         delivered_stamp: Any,
-        delivered: int = 0,
         buffer_size: int | None,
         chunk_size: int | None,
         on_error: str,
         stats: StreamStats,
         dispatch_name: str,
         parallelism: int,
+        stream_id: int = 0,
+        delivered: int = 0,
+        rng_base: tuple[int, int, int] = (0, 1, 0),
     ) -> None:
-        self.nodes = list(nodes)
-        self.tip = nodes[-1]
+        self.tip = tip
+        self.stamper = stamper
+        self.stream_id = stream_id
         self.chain = chain
         self.epoch = epoch
         self.next_seq = next_seq
@@ -109,6 +152,13 @@ class Stream:
         self.parallelism = max(1, parallelism)
         self.driver: Driver | None = None  # set by whoever assembles the stream
         self.pinner: Any = None  # a dispatch.pinning.Pinner with pin_memory=True
+        #: Outputs delivered this epoch (since its start or its last elastic
+        #: resume) before the current chunk: the "step count" of a checkpoint.
+        self.delivered = delivered
+        # with_rng keys: (base, step, offset): an item's key is base + seq*step + offset.
+        self._key = rng_base
+        #: Notified when room appears in the buffer (the pool's wake-up condition).
+        self.wake: threading.Condition | None = None
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self.pending: deque[Chunk] = deque()
@@ -116,9 +166,6 @@ class Stream:
         self.next_cid = 0
         self.in_flight = 0
         self.exhausted = False
-        #: Outputs delivered this epoch (since its start or its last elastic
-        #: resume) before the current chunk: the "step count" of a checkpoint.
-        self.delivered = delivered
         self.central_error: BaseException | None = None
         self.finished = False
         self.broken = False
@@ -126,14 +173,8 @@ class Stream:
         self.cost_per_item = 0.0
         self._burst = 1
         self._readers = 0
-        self._stamped = [n for n in nodes if n.stamped]
-        self._getters = self._stamp_getters()
-        # with_rng keys: an item's stream position (rank r of W gets base + s*W + r),
-        # so its random stream is the same on any world size; seq without a shard.
-        shard = next((n for n in nodes if isinstance(n, Shard)), None)
-        self._key = (
-            (0, 1, 0) if shard is None else (shard.base, shard.ctx.world_size, shard.ctx.rank)
-        )
+        self._readers_lock = threading.Lock()  # += on an int is not atomic
+        self._stamped = stamper.stamped
         self._resume: deque[tuple[int, Any, Any]] = deque()
         self._resume_skip: set[int] = set()
         self._resume_skip_first = (-1, 0)
@@ -143,7 +184,7 @@ class Stream:
                 self._resume.append((resume.first_seq + k, item, stamp))
             self._resume_skip = set(resume.skip)
             self._resume_skip_first = (resume.first_seq, resume.skip_outputs)
-        self.last_stamp = delivered_stamp if delivered_stamp is not None else self._stamp_now()
+        self.last_stamp = delivered_stamp if delivered_stamp is not None else stamper()
         # Delivery position inside the current chunk.
         self.current: Chunk | None = None
         self._cur_list: list[Any] = []
@@ -152,27 +193,8 @@ class Stream:
 
     # -- stamps ----------------------------------------------------------------
 
-    def _stamp_getters(self) -> list[Any]:
-        """One getter per stamped node. A count before a shard is read through
-        the shard: the totals as the item reached it (after an elastic resume
-        its queued items carry their own)."""
-        getters: list[Any] = []
-        shards = [n for n in self._stamped if isinstance(n, Shard)]
-        for n in self._stamped:
-            if isinstance(n, Shard):
-                getters.append(n.stamp)
-                continue
-            owner = next((s for s in shards if n in s.counts), None)
-            if owner is None:
-                getters.append(n.totals)
-            else:
-                getters.append(functools.partial(owner.count_stamp, owner.counts.index(n)))
-        return getters
-
     def _stamp_now(self) -> Any:
-        if not self._stamped:
-            return None
-        return tuple(get() for get in self._getters)
+        return self.stamper()
 
     def rng_key(self, chunk: Chunk) -> tuple[int, int]:
         """The ``with_rng`` key of the chunk's first item, and the step between items."""
@@ -328,6 +350,9 @@ class Stream:
             self.current = None
             self._cur_it = None
             self.cond.notify_all()
+        if self.wake is not None:
+            with self.wake:
+                self.wake.notify_all()
 
     def _delivered_in_current(self) -> int:
         it = self._cur_it
@@ -362,87 +387,98 @@ class Stream:
     def reading(self) -> Iterator[None]:
         """Hold the lock to read state. The feeder yields to waiting readers
         between pull slices, so a reader waits at most about one slice."""
-        self._readers += 1
+        with self._readers_lock:
+            self._readers += 1
         try:
             with self.lock:
                 yield
         finally:
-            self._readers -= 1
+            with self._readers_lock:
+                self._readers -= 1
 
     def capture(self) -> dict[str, Any]:
-        """The checkpoint of this run at the consumer's position (under the lock)."""
+        """This stream's part of the checkpoint at the consumer's position:
+        ``next_seq``, ``in_flight``, ``delivered_stamp`` and ``finished``."""
         with self.reading():
-            central = {node.name: node.own_state() for node in self.nodes}
-            items: list[Any] = []
-            stamps: list[Any] | None = [] if self._stamped else None
-            skip: list[int] = []
-            first_seq = self.next_seq
-            skip_outputs = 0
-            delivered_stamp = self.last_stamp
-            first = True
-            for chunk in self.pending:
-                if not chunk.items:
-                    continue  # being filled: nothing pulled into it yet
-                start = 0
-                if first:
-                    j, k, last = self._split_current(chunk)
-                    start, skip_outputs = j, k
-                    if last >= 0 and chunk.stamps:
-                        delivered_stamp = chunk.stamps[last]
-                    first_seq = chunk.first_seq + j
-                    first = False
-                    if chunk.skip_first and j == 0:
-                        skip_outputs += chunk.skip_first
-                items.extend(chunk.items[start:])
-                if stamps is not None and chunk.stamps is not None:
-                    stamps.extend(chunk.stamps[start:])
-                skip.extend(chunk.first_seq + i for i in chunk.skip if i >= start)
-            if self._resume:
-                if first:
-                    first_seq = self._resume[0][0]
-                for seq, item, stamp in self._resume:
-                    items.append(item)
-                    if stamps is not None:
-                        stamps.append(stamp)
-                    if seq in self._resume_skip:
-                        skip.append(seq)
-                if first and self._resume_skip_first[0] == first_seq:
-                    skip_outputs = self._resume_skip_first[1]
-            if self.finished:
-                delivered_stamp = self._stamp_now()
-            return {
-                "central": central,
-                "next_seq": self.next_seq,
-                "in_flight": {
-                    "first_seq": first_seq,
-                    "items": items,
-                    "stamps": stamps,
-                    "skip_outputs": skip_outputs,
-                    "skip": skip,
-                },
-                "delivered_stamp": delivered_stamp,
-                "finished": self.finished,
-                "delivered": self.delivered
-                + (self._delivered_in_current() if self.current is not None else 0),
-            }
+            return self.capture_unlocked()
+
+    def capture_unlocked(self) -> dict[str, Any]:
+        """:meth:`capture` for a caller that holds the lock of the stream
+        downstream (a parallel stage's stream is only changed under it)."""
+        items: list[Any] = []
+        stamps: list[Any] | None = [] if self._stamped else None
+        skip: list[int] = []
+        first_seq = self.next_seq
+        skip_outputs = 0
+        delivered_stamp = self.last_stamp
+        first = True
+        for chunk in self.pending:
+            if not chunk.items:
+                continue  # being filled: nothing pulled into it yet
+            start = 0
+            if first:
+                j, k, last = self._split_current(chunk)
+                start, skip_outputs = j, k
+                if last >= 0 and chunk.stamps:
+                    delivered_stamp = chunk.stamps[last]
+                first_seq = chunk.first_seq + j
+                first = False
+                if chunk.skip_first and j == 0:
+                    skip_outputs += chunk.skip_first
+            items.extend(chunk.items[start:])
+            if stamps is not None and chunk.stamps is not None:
+                stamps.extend(chunk.stamps[start:])
+            skip.extend(chunk.first_seq + i for i in chunk.skip if i >= start)
+        if self._resume:
+            if first:
+                first_seq = self._resume[0][0]
+            for seq, item, stamp in self._resume:
+                items.append(item)
+                if stamps is not None:
+                    stamps.append(stamp)
+                if seq in self._resume_skip:
+                    skip.append(seq)
+            if first and self._resume_skip_first[0] == first_seq:
+                skip_outputs = self._resume_skip_first[1]
+        if self.finished:
+            delivered_stamp = self._stamp_now()
+        return {
+            "next_seq": self.next_seq,
+            "in_flight": {
+                "first_seq": first_seq,
+                "items": items,
+                "stamps": stamps,
+                "skip_outputs": skip_outputs,
+                "skip": skip,
+            },
+            "delivered_stamp": delivered_stamp,
+            "finished": self.finished,
+            "delivered": self.delivered
+            + (self._delivered_in_current() if self.current is not None else 0),
+        }
 
     def delivered_stamp(self) -> Any:
         """Stamp of the count/shard stages as of the last delivered output."""
         with self.reading():
-            if self.finished:
-                return self._stamp_now()
-            chunk = self.current
-            if chunk is not None and chunk.stamps:
-                _, _, last = self._split_current(chunk)
-                if last >= 0:
-                    return chunk.stamps[last]
-            return self.last_stamp
+            return self.last_output_stamp()
+
+    def last_output_stamp(self) -> Any:
+        """:meth:`delivered_stamp` without the lock, for the thread that
+        consumes this stream (a parallel stage's stream, in the central chain)."""
+        if self.finished:
+            return self._stamp_now()
+        chunk = self.current
+        if chunk is not None and chunk.stamps:
+            _, _, last = self._split_current(chunk)
+            if last >= 0:
+                return chunk.stamps[last]
+        return self.last_stamp
 
     def stop(self) -> None:
         """Abandon or finish the run; idempotent. An iterator still delivering
         a chunk stops at its next item and raises (see ``outputs``)."""
+        self.stopping = True  # first, without the lock: pullers and waiters give up
         with self.cond:
-            self.stopping = True
             it = self._cur_it
             if it is not None and not self.finished:
                 it.__setstate__(len(self._cur_list))  # type: ignore[attr-defined]

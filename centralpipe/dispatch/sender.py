@@ -1,29 +1,46 @@
 """The sending side of a boundary: pulling chunks and sending them round-robin.
 
-:func:`pull_chunk` pulls up to one chunk of items from the tip of the central
-chain into a :class:`~centralpipe.dispatch.reorder.Stream`, holding the
-stream's lock in short slices so ``state_dict()``/``query()`` get it promptly.
-:class:`InlineDriver` (``num_workers=0``) then runs the worker stages on it in
-the consumer's thread; with workers, the :class:`Feeder` thread pulls chunks
-and sends them round-robin, and re-sends the chunks of a replaced worker.
-Only the feeder sends chunks, so a chunk is never sent twice to the same
-worker generation, and the thread that receives results never blocks on a
-send.
+:func:`pull_chunk` pulls up to one chunk of items from the stream's source
+(the central stage before the boundary) into a
+:class:`~centralpipe.dispatch.reorder.Stream`, holding the stream's lock in
+short slices so ``state_dict()``/``query()`` get it promptly. Then one of the
+drivers has the chunk run:
+
+- :class:`InlineDriver` (no workers, or no worker stages): in the thread that
+  consumes the stream;
+- :class:`FeederDriver` (the dispatch boundary with workers): a *feeder*
+  thread runs the central chain, pulls chunks and sends them round-robin;
+  the consumer waits for results;
+- :class:`SegmentDriver` (a parallel central stage with workers): the thread
+  running the central chain pulls, sends and waits itself.
+
+Only the thread running the central chain sends chunks (and re-sends the
+chunks of a replaced worker, :func:`drain_resends`), so a chunk is never sent
+twice to the same worker generation, and the supervisor thread, which reads
+every result, never blocks on a send.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from centralpipe.dispatch import protocol
-from centralpipe.dispatch.pool import WorkerPool
-from centralpipe.dispatch.protocol import Chunk, StageFailure
+from centralpipe.dispatch.protocol import Chunk, ChunkResult, StageFailure
 from centralpipe.dispatch.reorder import FIRST_CHUNK, Driver, Stream
+from centralpipe.dispatch.supervisor import POLL_S, Session
 
-__all__ = ["Feeder", "InlineDriver", "copy_items", "pull_chunk", "run_skip", "sendable_items"]
+__all__ = [
+    "FeederDriver",
+    "InlineDriver",
+    "SegmentDriver",
+    "drain_resends",
+    "pull_chunk",
+    "run_skip",
+    "send_chunk",
+]
 
 #: A chunk being filled is sent after this long even if not full.
 FLUSH_S = 0.02
@@ -34,8 +51,6 @@ TARGET_CHUNK_S = 0.005
 MAX_CHUNK = 1024
 #: Most items pulled between two looks at the clock.
 PULL_BURST = 32
-#: Longest wait of the feeder for room in the buffer before re-checking.
-POLL_S = 0.1
 
 
 def target_chunk(s: Stream) -> int:
@@ -171,11 +186,65 @@ def run_skip(chunk: Chunk) -> frozenset[int]:
     return frozenset(chunk.skip).union(f.at for f in chunk.unsendable)
 
 
-class InlineDriver(Driver):
-    """Worker stages run in the consumer's thread, one chunk at a time."""
+def send_chunk(session: Session, s: Stream, chunk: Chunk) -> None:
+    """Send ``chunk`` to its worker (round-robin for a new one), unless that
+    worker already has it or its result is in."""
+    ex = session.executor
+    if chunk.slot < 0:
+        chunk.slot = session.next_slot()
+    slot = ex.slots[chunk.slot]
+    with slot.send_lock:
+        if chunk.sent_gen == slot.gen or chunk.result is not None:
+            return
 
-    def __init__(self, stream: Stream) -> None:
+        def message(items: list[Any]) -> tuple[Any, ...]:
+            return protocol.chunk_message(
+                session.run_id,
+                s.stream_id,
+                chunk,
+                s.epoch,
+                items,
+                run_skip(chunk),
+                s.rng_key(chunk),
+            )
+
+        try:
+            encoded = protocol.encode(message(chunk.items))
+        except Exception:
+            encoded = protocol.encode(message(sendable_items(s, chunk)))
+        # Marked sent before writing: the result (or a request to send the
+        # chunk again per item) may come back before the write returns. A
+        # failed write means a dead worker: its replacement bumps ``gen``.
+        chunk.sent_gen = slot.gen
+        ex.send(slot, encoded)
+
+
+def drain_resends(session: Session) -> None:
+    """Re-send the chunks of replaced workers (the sending thread only)."""
+    while session.resend:
+        stream, chunk = session.resend.popleft()
+        if not stream.stopping:
+            send_chunk(session, stream, chunk)
+
+
+def _head_ready(s: Stream) -> bool:
+    try:
+        head = s.pending[0]
+    except IndexError:
+        return s.exhausted
+    return head.closed and head.result is not None
+
+
+class InlineDriver(Driver):
+    """Worker stages run in the thread consuming the stream, a chunk at a time."""
+
+    def __init__(self, stream: Stream, on_stop: Callable[[], None] | None = None) -> None:
         self.stream = stream
+        self.on_stop = on_stop
+
+    def stop(self) -> None:
+        if self.on_stop is not None:
+            self.on_stop()
 
     def wait_head(self) -> Chunk | None:
         s = self.stream
@@ -185,82 +254,112 @@ class InlineDriver(Driver):
         chunk = pull_chunk(s)
         if chunk is None:
             return None
-        # The worker stages get a copy, as a worker would: a stage that mutates
-        # its item in place must not change the checkpoint's in-flight items.
-        items = copy_items(s, chunk)
-        result = s.chain.run_chunk(
-            s.epoch, chunk.first_seq, items, run_skip(chunk), None, s.rng_key(chunk)
-        )
+        if s.chain.specs:
+            # The worker stages get a copy, as a worker would: a stage that
+            # mutates its item in place must not change the checkpoint.
+            items = copy_items(s, chunk)
+            result = s.chain.run_chunk(
+                s.epoch, chunk.first_seq, items, run_skip(chunk), None, 0, s.rng_key(chunk)
+            )
+        else:
+            result = ChunkResult(list(chunk.items), None, None, 0.0)
         chunk.result = s.accept(chunk, result)
         return chunk
 
 
-class Feeder:
-    """The feeder thread: pull chunks, send them round-robin, re-send."""
+class SegmentDriver(Driver):
+    """A parallel central stage's stream over the workers, driven by the
+    thread running the central chain: each call pulls and sends at most one
+    chunk, then returns the head chunk once its result is in."""
 
-    def __init__(self, stream: Stream, pool: WorkerPool, run_id: int) -> None:
+    def __init__(self, stream: Stream, session: Session) -> None:
         self.stream = stream
-        self.pool = pool
-        self.run_id = run_id
-        self.resend: deque[Chunk] = deque()  # guarded by stream.lock
+        self.session = session
+
+    def wait_head(self) -> Chunk | None:
+        s, session = self.stream, self.session
+        while True:
+            if s.stopping or session.abandoned:
+                raise RuntimeError("the run was stopped")
+            session.check()
+            drain_resends(session)
+            room = s.buffer_size is None or s.in_flight < s.buffer_size
+            if room and not s.exhausted:
+                chunk = pull_chunk(s)
+                if chunk is not None:
+                    send_chunk(session, s, chunk)
+            with s.lock:
+                if s.pending:
+                    head = s.pending[0]
+                    if head.closed and head.result is not None:
+                        return head
+                elif s.exhausted:
+                    return None
+            if room and not s.exhausted:
+                continue  # keep the workers fed before waiting
+            with session.wake:
+                if not _head_ready(s) and not session.resend and session.error is None:
+                    session.wake.wait(POLL_S)
+
+
+class FeederDriver(Driver):
+    """The dispatch boundary over the workers: a feeder thread pulls chunks
+    from the central chain and sends them; the consumer waits for results."""
+
+    def __init__(self, stream: Stream, session: Session) -> None:
+        self.stream = stream
+        self.session = session
         self.error: BaseException | None = None
-        self._rr = 0
+        stream.wake = session.wake
         self.thread = threading.Thread(target=self._feed, name="centralpipe-feeder", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
 
-    def _feed(self) -> None:
+    def _room(self) -> bool:
         s = self.stream
+        return not s.exhausted and (s.buffer_size is None or s.in_flight < s.buffer_size)
+
+    def _feed(self) -> None:
+        s, session = self.stream, self.session
         try:
-            while True:
-                with s.cond:
-                    while (
-                        not s.stopping
-                        and not self.resend
-                        and (
-                            s.exhausted
-                            or (s.buffer_size is not None and s.in_flight >= s.buffer_size)
-                        )
-                    ):
-                        s.cond.wait(POLL_S)
-                    if s.stopping:
-                        return
-                    resend = list(self.resend)
-                    self.resend.clear()
-                if resend:
-                    for old in resend:
-                        self._send(old)
+            while not (s.stopping or session.abandoned):
+                drain_resends(session)
+                if not self._room():
+                    with session.wake:
+                        if not (s.stopping or session.resend or self._room()):
+                            session.wake.wait(POLL_S)
                     continue
                 chunk = pull_chunk(s)
                 if chunk is not None:
-                    chunk.slot = self._rr
-                    self._rr = (self._rr + 1) % len(self.pool.slots)
-                    self._send(chunk)
+                    send_chunk(session, s, chunk)
         except BaseException as exc:  # pragma: no cover - a bug; reported by the consumer
             self.error = exc
+            session.notify()
 
-    def _send(self, chunk: Chunk) -> None:
-        s = self.stream
-        slot = self.pool.slots[chunk.slot]
-        with slot.send_lock:
-            if chunk.sent_gen == slot.gen or chunk.result is not None or slot.conn is None:
-                return
+    def wait_head(self) -> Chunk | None:
+        s, session = self.stream, self.session
+        started = time.perf_counter()
+        try:
+            while True:
+                with s.lock:
+                    if s.pending:
+                        head = s.pending[0]
+                        if head.closed and head.result is not None:
+                            return head
+                    elif s.exhausted:
+                        return None
+                if self.error is not None:
+                    raise RuntimeError("centralpipe feeder thread failed") from self.error
+                session.check()
+                with session.wake:
+                    if not _head_ready(s) and session.error is None and self.error is None:
+                        session.wake.wait(POLL_S)
+        finally:
+            s.stats.wait_workers_s += time.perf_counter() - started
 
-            def message(items: list[Any]) -> tuple[Any, ...]:
-                return protocol.chunk_message(
-                    self.run_id, chunk, s.epoch, items, run_skip(chunk), s.rng_key(chunk)
-                )
+    def stop(self) -> None:
+        self.session.stop(sender=self.thread)
 
-            try:
-                encoded = protocol.encode(message(chunk.items))
-            except Exception:
-                encoded = protocol.encode(message(sendable_items(s, chunk)))
-            # Marked sent before writing: the result (or a request to send
-            # the chunk again per item) may come back before the write returns.
-            # A failed write means a dead worker: its replacement bumps ``gen``.
-            chunk.sent_gen = slot.gen
-            try:
-                protocol.send_encoded(slot.conn, encoded)
-            except (OSError, EOFError, ValueError):
-                pass  # the worker died; the supervisor replaces it and re-sends
+    def worker_states(self) -> list[Any] | None:
+        return self.session.worker_states()

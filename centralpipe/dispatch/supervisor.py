@@ -1,273 +1,320 @@
 """Supervision: receiving results, deaths, hangs, poison items and restarts.
 
-The :class:`Supervisor` is a stream's :class:`~centralpipe.dispatch.reorder.Driver`
-when workers run it. The consumer thread, waiting for the head chunk, receives
-results from every worker (stashing them on their chunks, so no worker ever
-blocks on a full pipe while the consumer waits for another), watches process
-sentinels and per-item deadlines, replaces dead or hung workers and has the
-:class:`~centralpipe.dispatch.sender.Feeder` re-send their unfinished chunks.
-An item that killed or hung ``item_retries + 1`` workers is a poison item:
-skipped (``on_error="skip"``) or reported as a ``WorkerError``.
+A :class:`Session` is one run's use of the executor (see
+:mod:`centralpipe.dispatch.pool`) by every ordered stream of that run (each
+parallel central stage, then the dispatch boundary). Its *supervisor thread*
+is the only reader of the workers' results: it puts each result on its chunk
+(never taking a stream's lock), watches worker deaths and per-item deadlines,
+replaces dead or hung workers and queues their unfinished chunks for the
+sending thread to re-send. An item that killed or hung ``item_retries + 1``
+workers is a poison item: skipped (``on_error="skip"``), or its chunk is
+re-sent without it and it is reported as a ``WorkerError`` in its place,
+after every item before it. A result that cannot be unpickled has its chunk
+re-sent item by item to find which item it was. Threads cannot be killed: a
+hung thread is reported that way at once, its slot gets a fresh thread.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections import defaultdict
-from multiprocessing.connection import Connection, wait
+from collections import defaultdict, deque
 from typing import Any
 
 from centralpipe.dispatch import protocol
-from centralpipe.dispatch.pool import Slot, WorkerPool, describe_exit, kill_now
+from centralpipe.dispatch.pool import Executor, ProcessPool, Slot
 from centralpipe.dispatch.protocol import MSG_RESULT, MSG_STATES, Chunk, StageFailure
-from centralpipe.dispatch.reorder import Driver, Stream, logger
-from centralpipe.dispatch.sender import Feeder
+from centralpipe.dispatch.reorder import Stream, StreamStats, logger
 from centralpipe.errors import WorkerError
 
-__all__ = ["Supervisor"]
+__all__ = ["POLL_S", "Policy", "Session"]
 
-#: Longest single wait for worker results before re-checking liveness.
+#: Longest single wait of any thread before it re-checks for stop and errors.
 POLL_S = 0.1
-#: How long stopping a run may take before stuck workers are killed.
+#: How long stopping a session may take before stuck workers are killed.
 STOP_TIMEOUT_S = 5.0
 #: How long worker_states() waits for every worker's answer.
 STATES_TIMEOUT_S = 30.0
+#: With ``timeout_s`` set, how long a worker that owes results may take to start up.
+STARTUP_GRACE_S = 30.0
 
 
-class Supervisor(Driver):
-    """Receives a stream's results from the pool; see the module docstring."""
+class Policy:
+    """How faults are treated (from ``WorkerConfig``)."""
 
     def __init__(
-        self,
-        stream: Stream,
-        *,
-        pool: WorkerPool,
-        run_id: int,
-        timeout_s: float | None,
-        max_restarts: int,
-        item_retries: int,
+        self, *, timeout_s: float | None, max_restarts: int, item_retries: int, on_error: str
     ) -> None:
-        self.stream = stream
-        self.pool = pool
-        self.run_id = run_id
         self.timeout_s = timeout_s
         self.max_restarts = max_restarts
         self.item_retries = item_retries
-        self.strikes: dict[int, int] = defaultdict(int)
+        self.on_error = on_error
+
+
+class Session:
+    """One run over the executor; see the module docstring.
+
+    Invariants: only the supervisor thread calls ``executor.wait`` and
+    ``executor.replace`` (under the slot's ``send_lock``); only the run's
+    sending thread sends chunks; ``wake`` is notified whenever a result, a
+    re-send, an error or room in a buffer appears, and no thread holds it
+    while waiting for anything else.
+    """
+
+    def __init__(self, executor: Executor, run_id: int, policy: Policy, stats: StreamStats) -> None:
+        self.executor = executor
+        self.run_id = run_id
+        self.policy = policy
+        self.stats = stats
+        self.streams: list[Stream] = []
+        self.wake = threading.Condition()
+        self.resend: deque[tuple[Stream, Chunk]] = deque()
+        self.error: BaseException | None = None
+        #: Set first when the run is stopped: senders and waiters give up.
+        self.abandoned = False
+        self.stopping = False
+        self.strikes: dict[tuple[int, int], int] = defaultdict(int)
         self.states: dict[int, Any] = {}
-        self._eof: list[Connection] = []
-        self.feeder = Feeder(stream, pool, run_id)
-        pool.set_run(run_id)
-        pool.ensure_alive()
-        self.feeder.start()
+        self._rr = 0
+        self._owed_since: dict[int, float] = {}
+        self.thread = threading.Thread(
+            target=self._supervise, name="centralpipe-supervisor", daemon=True
+        )
 
-    def wait_head(self) -> Chunk | None:
-        s = self.stream
-        started = time.perf_counter()
+    def start(self) -> None:
+        self.executor.set_run(self.run_id)
+        self.executor.ensure_alive()
+        self.thread.start()
+
+    def next_slot(self) -> int:
+        """Round-robin over the workers, across every stream."""
+        index = self._rr
+        self._rr = (index + 1) % len(self.executor.slots)
+        return index
+
+    def notify(self) -> None:
+        with self.wake:
+            self.wake.notify_all()
+
+    def check(self) -> None:
+        """Raise the session's failure (a ``WorkerError``) in the caller."""
+        if self.error is not None:
+            raise self.error
+
+    # -- the supervisor thread -------------------------------------------------
+
+    def _supervise(self) -> None:
         try:
-            while True:
-                with s.lock:
-                    if s.pending:
-                        head = s.pending[0]
-                        if head.closed and head.result is not None:
-                            return head
-                    elif s.exhausted:
-                        return None
-                if self.feeder.error is not None:
-                    raise RuntimeError("centralpipe feeder thread failed") from self.feeder.error
-                self._poll(POLL_S)
+            while not self.stopping:
+                for event in self.executor.wait(POLL_S):
+                    if self.stopping:
+                        break
+                    if event.message is None:
+                        self._recover(event.slot, hung=False)
+                    else:
+                        self._handle(event.slot, event.message)
+                if self.policy.timeout_s is not None and not self.stopping:
+                    self._check_deadlines(self.policy.timeout_s)
+        except BaseException as exc:  # WorkerError, or a failed replacement
+            self.error = exc
+            for stream in self.streams:
+                stream.broken = True
         finally:
-            s.stats.wait_workers_s += time.perf_counter() - started
-
-    def _poll(self, timeout: float) -> None:
-        waitables: dict[Any, Slot] = {}
-        for slot in self.pool.slots:
-            if slot.conn is not None:
-                waitables[slot.conn] = slot
-            if slot.process is not None:
-                waitables[slot.process.sentinel] = slot
-        ready = wait(list(waitables), timeout)
-        dead: list[Slot] = []
-        for obj in ready:
-            slot = waitables[obj]
-            if isinstance(obj, Connection):
-                if slot.conn is not obj or slot in dead:
-                    continue
-                try:
-                    msg = protocol.recv(obj)
-                except (EOFError, OSError):
-                    dead.append(slot)
-                    continue
-                except BaseException:
-                    # Interrupted mid-message (Ctrl-C): the pipe's framing is
-                    # lost, so this worker is replaced before it is read again.
-                    self._recover(slot, hung=False, desynced=True)
-                    raise
-                self._handle(slot, msg)
-            elif slot not in dead:
-                dead.append(slot)
-        for slot in dead:
-            self._recover(slot, hung=False)
-        if self.timeout_s is not None:
-            now = time.monotonic()
-            for slot in self.pool.slots:
-                seq, _, started = slot.busy_seq()
-                if seq is not None and now - started > self.timeout_s:
-                    self._recover(slot, hung=True)
+            self.notify()
 
     def _handle(self, slot: Slot, msg: Any) -> None:
         if msg[0] == MSG_RESULT:
-            _, run_id, cid, result = msg
-            if run_id != self.run_id:
+            _, run_id, stream_id, cid, result = msg
+            if run_id != self.run_id or not 0 <= stream_id < len(self.streams):
                 return
-            chunk = self.stream.by_cid.get(cid)
+            stream = self.streams[stream_id]
+            chunk = stream.by_cid.get(cid)
             if chunk is None or chunk.result is not None:
                 return
             if isinstance(result.outputs, protocol.Undecodable):
                 # An item or an output cannot be unpickled on its way: find
                 # which by sending the chunk again, item by item.
-                self._resend_per_item(chunk)
+                self._resend_per_item(stream, chunk)
                 return
             if chunk.per_item:
-                stage = self.stream.chain.specs[-1].name if self.stream.chain.specs else None
-                result = protocol.unseal_outputs(result, stage, self.stream.dispatch_name)
-            self.stream.stats.items_per_worker[slot.index] += len(chunk.items)
-            chunk.result = self.stream.accept(chunk, result)
+                stage = stream.chain.specs[-1].name if stream.chain.specs else None
+                result = protocol.unseal_outputs(result, stage, stream.dispatch_name)
+            stream.stats.items_per_worker[slot.index] += len(chunk.items)
+            chunk.result = stream.accept(chunk, result)
+            self.notify()
         elif msg[0] == MSG_STATES:
             self.states[slot.index] = msg[1]
+            self.notify()
 
-    def _recover(self, slot: Slot, *, hung: bool, desynced: bool = False) -> None:
-        """A worker died or hung: replace it and have its chunks re-sent."""
-        seq, stage_index, _ = slot.busy_seq()
-        if seq is not None and not any(
-            c.first_seq <= seq < c.first_seq + len(c.items) for c in self.stream.pending
-        ):
-            seq = None  # busy with an abandoned run's item: not this run's business
-        proc = slot.process
-        kill_now(proc)
-        if proc is not None:
-            proc.join(5.0)
-        if desynced:
-            self._replace_and_resend(slot)
-            return
-        exitcode = proc.exitcode if proc is not None else None
-        what = (
-            f"hung for more than timeout_s={self.timeout_s}"
-            if hung
-            else f"died ({describe_exit(exitcode)})"
-        )
-        if not hung and not slot.ready():
-            what += (
-                f" while starting up (start method '{self.pool.start_method}'; with forkserver "
-                'or spawn the main script must be guarded by `if __name__ == "__main__":` and '
-                "stage functions importable)"
-            )
-        stage = None
-        if stage_index is not None and 0 <= stage_index < len(self.stream.chain.specs):
-            stage = self.stream.chain.specs[stage_index].name
-        stats = self.stream.stats
-        stats.restarts += 1
-        stats.epoch_restarts += 1
-        where = (
-            f" on item seq {seq}" + (f" in stage '{stage}'" if stage else "")
-            if seq is not None
-            else ""
-        )
-        logger.warning("worker %d %s%s; replacing it", slot.index, what, where)
-        if stats.epoch_restarts > self.max_restarts:
-            self.stream.broken = True
-            msg = (
-                f"worker {slot.index} {what}{where}; that is {stats.epoch_restarts} worker "
-                f"restarts this epoch, more than max_restarts={self.max_restarts}."
-            )
-            raise WorkerError(msg, stage=stage, seq=seq, exitcode=exitcode)
-        if seq is not None:
-            self.strikes[seq] += 1
-            if self.strikes[seq] > self.item_retries:
-                self._poison(seq, stage, what, exitcode)
-        self._replace_and_resend(slot)
-
-    def _replace_and_resend(self, slot: Slot) -> None:
-        """A fresh worker in ``slot``; the feeder re-sends its unfinished chunks."""
-        with slot.send_lock:
-            self.pool.replace(slot)
-        with self.stream.cond:
-            self.feeder.resend.extend(
-                c
-                for c in self.stream.pending
-                if c.slot == slot.index and c.closed and c.result is None
-            )
-            self.stream.cond.notify_all()
-
-    def _resend_per_item(self, chunk: Chunk) -> None:
+    def _resend_per_item(self, stream: Stream, chunk: Chunk) -> None:
         if chunk.per_item:  # cannot happen: each item is sealed on its own
             raise RuntimeError(f"chunk {chunk.cid} cannot be decoded even item by item")
-        with self.stream.cond:
-            chunk.per_item = True
-            chunk.sent_gen = -1
-            self.feeder.resend.append(chunk)
-            self.stream.cond.notify_all()
+        chunk.per_item = True
+        chunk.sent_gen = -1
+        self.resend.append((stream, chunk))
+        self.notify()
 
-    def _poison(self, seq: int, stage: str | None, what: str, exitcode: int | None) -> None:
-        verb = "hung" if what.startswith("hung") else "killed"
-        text = f"item seq {seq} {verb} {self.strikes[seq]} workers (last: worker {what})"
+    def _owes(self, slot: Slot) -> bool:
+        for stream in self.streams:
+            for chunk in list(stream.pending):
+                if chunk.slot == slot.index and chunk.result is None and chunk.sent_gen == slot.gen:
+                    return True
+        return False
+
+    def _check_deadlines(self, timeout_s: float) -> None:
+        now = time.monotonic()
+        for slot in self.executor.slots:
+            busy = slot.busy()
+            if busy is not None:
+                self._owed_since.pop(slot.index, None)
+                if now - busy[3] > timeout_s:
+                    self._recover(slot, hung=True)
+                continue
+            # Idle, or not started: hung too if it owes results for too long.
+            if not self._owes(slot):
+                self._owed_since.pop(slot.index, None)
+                continue
+            since = self._owed_since.setdefault(slot.index, now)
+            allowed = timeout_s if slot.ready() else max(timeout_s, STARTUP_GRACE_S)
+            if now - since > allowed:
+                self._owed_since.pop(slot.index, None)
+                self._recover(slot, hung=True)
+
+    def _locate(self, slot: Slot) -> tuple[Stream, Chunk, int, str | None] | None:
+        """The stream, chunk, input index and stage of the item ``slot`` is on."""
+        busy = slot.busy()
+        if busy is None:
+            return None
+        stream_id, seq, stage_index, _ = busy
+        if not 0 <= stream_id < len(self.streams):
+            return None
+        stream = self.streams[stream_id]
+        for chunk in list(stream.pending):
+            if chunk.first_seq <= seq < chunk.first_seq + len(chunk.items):
+                specs = stream.chain.specs
+                stage = specs[stage_index].name if 0 <= stage_index < len(specs) else None
+                return stream, chunk, seq - chunk.first_seq, stage
+        return None  # busy with an abandoned run's item: not this run's business
+
+    def _recover(self, slot: Slot, *, hung: bool) -> None:
+        """A worker died or hung: replace it and have its chunks re-sent."""
+        where = self._locate(slot)
+        ex, timeout_s = self.executor, self.policy.timeout_s
+        if hung:
+            ex.kill(slot)
+            what = f"hung for more than timeout_s={timeout_s}"
+            if not slot.ready():
+                what = f"did not start within {max(timeout_s or 0, STARTUP_GRACE_S)} s"
+        else:
+            what = ex.exit_text(slot)
+            if not slot.ready() and isinstance(ex, ProcessPool):
+                what += (
+                    f" while starting up (start method '{ex.start_method}'; with forkserver or "
+                    'spawn the main script must be guarded by `if __name__ == "__main__":` and '
+                    "stage functions importable)"
+                )
+        exitcode = ex.exitcode(slot) if isinstance(ex, ProcessPool) else None
+        seq = stage = None
+        if where is not None:
+            stream, chunk, at, stage = where
+            seq = chunk.first_seq + at
+        text = f" on item seq {seq}" + (f" in stage '{stage}'" if stage else "")
+        text = text if seq is not None else ""
+        kind = ex.kind
+        self.stats.restarts += 1
+        self.stats.epoch_restarts += 1
+        logger.warning("%s worker %d %s%s; replacing it", kind, slot.index, what, text)
+        if self.stats.epoch_restarts > self.policy.max_restarts:
+            msg = (
+                f"{kind} worker {slot.index} {what}{text}; that is {self.stats.epoch_restarts} "
+                f"worker restarts this epoch, more than max_restarts={self.policy.max_restarts}."
+            )
+            raise WorkerError(msg, stage=stage, seq=seq, exitcode=exitcode)
+        if where is not None:
+            stream, chunk, at, stage = where
+            key = (stream.stream_id, chunk.first_seq + at)
+            self.strikes[key] += 1
+            # A hung thread cannot be killed: report it at once.
+            if self.strikes[key] > self.policy.item_retries or (hung and not ex.can_kill):
+                self._poison(stream, chunk, at, stage, what, exitcode)
+        with slot.send_lock:
+            ex.replace(slot)
+        self._owed_since.pop(slot.index, None)
+        for stream in self.streams:
+            for chunk in list(stream.pending):
+                if chunk.slot == slot.index and chunk.closed and chunk.result is None:
+                    self.resend.append((stream, chunk))
+        self.notify()
+
+    def _poison(
+        self,
+        stream: Stream,
+        chunk: Chunk,
+        at: int,
+        stage: str | None,
+        what: str,
+        exitcode: int | None,
+    ) -> None:
+        seq = chunk.first_seq + at
+        verb = "hung" if what.startswith(("hung", "did not")) else "killed"
+        strikes = self.strikes[(stream.stream_id, seq)]
+        text = f"item seq {seq} {verb} {strikes} {self.executor.kind} worker(s) (last: {what})"
         if stage:
             text += f" in stage '{stage}'"
-        if self.stream.on_error == "skip":
-            with self.stream.lock:
-                for chunk in self.stream.pending:
-                    if chunk.first_seq <= seq < chunk.first_seq + len(chunk.items):
-                        chunk.skip.add(seq - chunk.first_seq)
-            self.stream.stats.skipped += 1
+        if stream.on_error == "skip":
+            chunk.skip = chunk.skip | {at}  # a new set: readers may be iterating the old one
+            stream.stats.skipped += 1
             logger.warning("skipping %s", text)
             return
-        msg = (
-            f"{text}; it was retried {self.item_retries} time(s) on a fresh worker "
-            "(WorkerConfig.item_retries). Fix the item or use on_error='skip'."
-        )
+        if self.executor.can_kill:
+            hint = (
+                f"; it was retried {self.policy.item_retries} time(s) on a fresh worker "
+                "(WorkerConfig.item_retries). Fix the item or use on_error='skip'."
+            )
+        else:
+            hint = "; a thread cannot be stopped, so it was not retried. Use on_error='skip'."
         # Not raised here: the chunk is re-sent without the item, and the
         # error is raised in its place, after every item before it.
-        with self.stream.lock:
-            for chunk in self.stream.pending:
-                if chunk.first_seq <= seq < chunk.first_seq + len(chunk.items):
-                    at = seq - chunk.first_seq
-                    failure = StageFailure(at, stage, "", "", "", text=msg, exitcode=exitcode)
-                    chunk.unsendable.append(failure)
+        failure = StageFailure(at, stage, "", "", "", text=text + hint, exitcode=exitcode)
+        chunk.unsendable = [*chunk.unsendable, failure]  # a new list: readers may iterate
+
+    # -- control ---------------------------------------------------------------
 
     def worker_states(self) -> list[Any]:
-        """Ask every worker for its stateful stages' state (a control message)."""
+        """Ask every worker for its stateful stages' state (a control message
+        answered through the supervisor thread, never the consumer)."""
         self.states = {}
-        for slot in self.pool.slots:
+        for slot in self.executor.slots:
             with slot.send_lock:
-                if slot.conn is not None:
-                    try:
-                        protocol.send(slot.conn, (MSG_STATES,))
-                    except (OSError, EOFError):
-                        pass
+                self.executor.send_control(slot, (MSG_STATES,))
         deadline = time.monotonic() + STATES_TIMEOUT_S
-        while len(self.states) < len(self.pool.slots) and time.monotonic() < deadline:
-            self._poll(POLL_S)
-        return [self.states.get(i, {}) for i in range(len(self.pool.slots))]
+        with self.wake:
+            while len(self.states) < len(self.executor.slots) and self.error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = [s.index for s in self.executor.slots if s.index not in self.states]
+                    msg = (
+                        f"workers {missing} did not answer a state request in {STATES_TIMEOUT_S} s."
+                    )
+                    raise RuntimeError(msg)
+                self.wake.wait(min(left, POLL_S))
+        self.check()
+        return [self.states.get(i, {}) for i in range(len(self.executor.slots))]
 
-    def stop(self) -> None:
-        self._eof = []
-        self.pool.set_run(self.run_id + 1)
-        thread = self.feeder.thread
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        while thread.is_alive() and time.monotonic() < deadline:
-            self._drain(0.01)
-            thread.join(0.0)
-        if thread.is_alive():
-            # The feeder is blocked sending to a stuck worker: kill the workers.
-            for slot in self.pool.slots:
-                kill_now(slot.process)
-            thread.join(2.0)
-        self.pool.close_retired()
-
-    def _drain(self, timeout: float) -> None:
-        conns = [s.conn for s in self.pool.slots if s.conn is not None and s.conn not in self._eof]
-        for conn in wait(conns, timeout):
-            try:
-                protocol.recv(conn)  # type: ignore[arg-type]
-            except Exception:  # EOF, or a pipe whose framing was lost
-                self._eof.append(conn)  # type: ignore[arg-type]
+    def stop(self, sender: threading.Thread | None = None) -> None:
+        """Abandon the run; bounded. The sending thread (if any) is waited for
+        while results are still read, so it can never stay blocked on a full
+        pipe; if it is stuck anyway the workers are killed."""
+        self.abandoned = True
+        self.executor.set_run(self.run_id + 1)
+        self.notify()
+        if sender is not None and sender is not threading.current_thread():
+            sender.join(STOP_TIMEOUT_S)
+            if sender.is_alive():
+                for slot in self.executor.slots:
+                    self.executor.kill(slot)
+                sender.join(2.0)
+        self.stopping = True
+        self.executor.interrupt()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(STOP_TIMEOUT_S)

@@ -1,8 +1,10 @@
 """The worker loop: receive chunks, run the worker stages, send results.
 
 Workers are stateless: a chunk's result depends only on its items, the seed,
-the epoch and the items' ``seq``. A worker exits when its pipe closes (the
-main process closed it, or died). Should it be busy in user code when the
+the epoch and the items' ``seq``. The same loop (:func:`serve`) runs in a
+worker process (:func:`worker_main`, over a pipe) and in a worker thread
+(over queues, see :mod:`centralpipe.dispatch.pool`). A worker process exits
+when its pipe closes (the main process closed it, or died). Should it be busy in user code when the
 main process dies, two more guards end it within about a second:
 
 - the *death pipe*: the main process holds the only write end of a pipe whose
@@ -23,6 +25,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -37,18 +40,60 @@ from centralpipe.dispatch.protocol import (
     StageFailure,
 )
 
-__all__ = ["WorkerSpec", "worker_main"]
+__all__ = ["WorkerSpec", "serve", "worker_main"]
 #: How often a worker checks that the main process is still alive.
 _WATCHDOG_INTERVAL_S = 0.25
 
+#: ``send_result(run_id, stream, cid, result, per_item) -> still connected``
+SendResult = Callable[[int, int, int, ChunkResult, bool], bool]
+
 
 class WorkerSpec:
-    """Everything a worker needs, sent once when it starts."""
+    """Everything a worker needs, sent once when it starts: one chain of
+    worker stages per ordered stream (indexed by stream id)."""
 
-    def __init__(self, chain: WorkerChain, main_pid: int, torch_threads: int = 1) -> None:
-        self.chain = chain
+    def __init__(
+        self, chains: Sequence[WorkerChain], main_pid: int, torch_threads: int = 1
+    ) -> None:
+        self.chains = list(chains)
         self.main_pid = main_pid
         self.torch_threads = torch_threads
+
+    def states(self) -> dict[str, Any]:
+        """Stateful worker-stage states of every chain, by stage name."""
+        out: dict[str, Any] = {}
+        for chain in self.chains:
+            out.update(chain.states())
+        return out
+
+
+def serve(
+    recv: Callable[[], Any],
+    send_result: SendResult,
+    send_states: Callable[[dict[str, Any]], bool],
+    spec: WorkerSpec,
+    status: Any,
+    current_run: Any,
+) -> None:
+    """Run chunks until ``recv`` raises ``EOFError``/``OSError`` or a send
+    returns ``False`` (the main side is gone)."""
+    status[STATUS_READY] = 1.0
+    while True:
+        try:
+            msg = recv()
+        except (EOFError, OSError):
+            return
+        kind = msg[0]
+        if kind == MSG_CHUNK:
+            _, run_id, stream, cid, epoch, first_seq, items, skip, per_item, key = msg
+            if run_id < current_run.value:
+                continue  # the main process abandoned that run
+            chain = spec.chains[stream]
+            result = _run(chain, stream, epoch, first_seq, items, skip, per_item, status, key)
+            if not send_result(run_id, stream, cid, result, per_item):
+                return
+        elif kind == MSG_STATES and not send_states(spec.states()):
+            return
 
 
 def main_alive(main_pid: int) -> bool:
@@ -120,32 +165,25 @@ def worker_main(
     except Exception:  # pragma: no cover - torch missing threads support
         pass
     threading.Thread(target=_watchdog, args=(spec.main_pid, parent_pid), daemon=True).start()
-    chain = spec.chain
-    status[STATUS_READY] = 1.0
-    while True:
+
+    def send_result(run_id: int, stream: int, cid: int, result: ChunkResult, per: bool) -> bool:
+        return _send_result(conn, run_id, stream, cid, result, per, spec.chains[stream])
+
+    def send_states(states: dict[str, Any]) -> bool:
         try:
-            msg = protocol.recv(conn)
-        except (EOFError, OSError):
-            break
-        kind = msg[0]
-        if kind == MSG_CHUNK:
-            _, run_id, cid, epoch, first_seq, items, skip, per_item, rng_key = msg
-            if run_id < current_run.value:
-                continue  # the main process abandoned that run
-            result = _run(chain, epoch, first_seq, items, skip, per_item, status, rng_key)
-            if not _send_result(conn, run_id, cid, result, per_item, chain):
-                break
-        elif kind == MSG_STATES:
-            try:
-                protocol.send(conn, (MSG_STATES, chain.states()))
-            except (OSError, EOFError):
-                break
+            protocol.send(conn, (MSG_STATES, states))
+            return True
+        except (OSError, EOFError):
+            return False
+
+    serve(lambda: protocol.recv(conn), send_result, send_states, spec, status, current_run)
     conn.close()
     sys.exit(0)
 
 
 def _run(
     chain: WorkerChain,
+    stream: int,
     epoch: int,
     first_seq: int,
     items: Any,
@@ -160,7 +198,7 @@ def _run(
             # Some item cannot be unpickled here: the main process re-sends
             # the chunk per item to find out which.
             return ChunkResult(items, None, None, 0.0)  # type: ignore[arg-type]
-        return chain.run_chunk(epoch, first_seq, items, skip, status, rng_key)
+        return chain.run_chunk(epoch, first_seq, items, skip, status, stream, rng_key)
     bad = []
     for i, item in enumerate(items):
         if isinstance(item, protocol.Undecodable):
@@ -169,7 +207,7 @@ def _run(
     if bad:
         skip = frozenset(skip).union(f.at for f in bad)
         items = [None if i in skip else x for i, x in enumerate(items)]
-    result = chain.run_chunk(epoch, first_seq, items, skip, status, rng_key)
+    result = chain.run_chunk(epoch, first_seq, items, skip, status, stream, rng_key)
     if bad:
         counts = result.counts or [1] * len(items)
         failures = sorted([*(result.failures or ()), *bad], key=lambda f: f.at)
@@ -178,7 +216,13 @@ def _run(
 
 
 def _send_result(
-    conn: Connection, run_id: int, cid: int, result: ChunkResult, per_item: bool, chain: WorkerChain
+    conn: Connection,
+    run_id: int,
+    stream: int,
+    cid: int,
+    result: ChunkResult,
+    per_item: bool,
+    chain: WorkerChain,
 ) -> bool:
     """Send a result; outputs that cannot be pickled become failures of the
     last worker stage. False when the main process is gone."""
@@ -187,7 +231,7 @@ def _send_result(
     else:
         sealed = protocol.seal_outputs(result, per_item)
     try:
-        protocol.send(conn, (MSG_RESULT, run_id, cid, sealed))
+        protocol.send(conn, (MSG_RESULT, run_id, stream, cid, sealed))
         return True
     except (OSError, EOFError):
         return False
@@ -195,7 +239,7 @@ def _send_result(
         pass
     result = protocol.seal_outputs(_drop_unpicklable(result, chain), per_item)
     try:
-        protocol.send(conn, (MSG_RESULT, run_id, cid, result))
+        protocol.send(conn, (MSG_RESULT, run_id, stream, cid, result))
         return True
     except (OSError, EOFError):
         return False

@@ -17,6 +17,7 @@ from centralpipe.stages.count import Count
 from centralpipe.stages.files import ReadLines
 from centralpipe.stages.mix import Mix
 from centralpipe.stages.pack import Pack
+from centralpipe.stages.parallel import Parallel
 from centralpipe.stages.shard import Shard
 from centralpipe.stages.shuffle import Shuffle
 from centralpipe.stages.sources import DatasetSource, FilesSource, IterableSource, NodeSource
@@ -27,6 +28,7 @@ __all__ = [
     "SOURCE_KEY",
     "CentralNode",
     "Count",
+    "Parallel",
     "RunContext",
     "Shard",
     "add_stage_note",
@@ -62,6 +64,9 @@ NODE_CLASSES: dict[str, type[CentralNode[Any]]] = {
 def _build_one(
     spec: StageSpec, source: CentralNode[Any] | None, ctx: RunContext
 ) -> CentralNode[Any]:
+    if spec.options.get("parallel"):
+        assert source is not None
+        return Parallel.from_spec(spec, source, ctx)
     cls = NODE_CLASSES.get(spec.kind)
     if cls is None:  # pragma: no cover - the builder makes only known kinds
         raise AssertionError(f"no node class for central stage kind {spec.kind!r}")

@@ -1,0 +1,68 @@
+"""A parallel central stage: ``map``/``filter``/``flat_map(..., parallel=True)``.
+
+The stage sits in the central chain like any other, but its function runs on
+the workers: the items it pulls from its source are numbered, sent
+round-robin and their outputs come back *in order*
+(:mod:`centralpipe.dispatch`), so every stage after it sees exactly the
+stream it would see with the function run inline. Its own state is empty; the
+inputs sent but not yet passed on are the checkpoint's in-flight inputs of
+this stage (keyed by its name), re-sent on resume.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from torchdata.nodes import BaseNode
+
+from centralpipe.stages.base import CentralNode, NoState, RunContext
+
+__all__ = ["Parallel"]
+
+
+class Parallel(CentralNode[Any]):
+    """See the module docstring. The Loader attaches a stream at each run."""
+
+    #: Marks the stages whose outputs come from an ordered stream.
+    parallel = True
+    State = NoState
+
+    def __init__(self, source: BaseNode[Any], spec: Any, *, name: str, ctx: RunContext) -> None:
+        super().__init__(source, name=name, ctx=ctx)
+        self.kind = spec.kind
+        self.spec = spec
+        #: Totals of the count/shard stages before this one (set by the Loader).
+        self.stamper: Any = None
+        self.stream: Any = None
+        self._outputs: Iterator[Any] | None = None
+
+    @classmethod
+    def from_spec(cls, spec: Any, source: Any, ctx: RunContext) -> Parallel:
+        return cls(source, spec, name=spec.name, ctx=ctx)
+
+    def out_total(self, total: Any) -> Any:
+        if self.kind == "map":
+            return total
+        if self.kind == "filter":
+            return total.at_most(self.name)
+        return None
+
+    def max_items_out(self, state: Any, bound_in: int | None) -> int | None:
+        return bound_in if self.kind in ("map", "filter") else None
+
+    def attach(self, stream: Any) -> None:
+        """Take outputs from ``stream`` (a new one at each run)."""
+        self.stream = stream
+        self._outputs = stream.outputs()
+
+    def produce(self) -> Any:
+        if self._outputs is None:  # pragma: no cover - the Loader always attaches
+            raise RuntimeError(f"parallel stage '{self.name}' has no stream attached.")
+        return next(self._outputs)
+
+    def out_stamp(self) -> Any:
+        """Stamp of the stages before this one as of its last output."""
+        if self.stream is None:
+            return self.stamper() or ()
+        return self.stream.last_output_stamp() or ()

@@ -508,9 +508,17 @@ class Loader(Generic[T]):
         """Process ids of the live workers (empty before the first iteration
         and with ``num_workers=0``), e.g. for monitoring."""
         pool = self._res.pool
-        if pool is None:
+        if pool is None or pool.kind != "process":
             return []
-        return [s.process.pid for s in pool.slots if s.process is not None and s.process.is_alive()]
+        pids = []
+        for slot in pool.slots:
+            proc = slot.process  # read once: the supervisor may be replacing it
+            try:
+                if proc is not None and proc.is_alive():
+                    pids.append(proc.pid)
+            except ValueError:  # closed by a concurrent replacement
+                continue
+        return pids
 
     # -- lifetime ------------------------------------------------------------------
 

@@ -319,6 +319,9 @@ def _merge(ranks: list[_Rank]) -> dict[str, Any]:
             "stamps": [],
             "skip_outputs": 0,
             "skip": [],
+            # Same keys as a per-rank state_dict(): torch.distributed.checkpoint
+            # loads into a template with exactly these keys.
+            "delivered_stamp": None,
         },
     }
     out["delivered_stamp"] = _delivered_stamp(ranks, slot, first, position)

@@ -14,6 +14,7 @@ def loader_config(
     seed: int = 0,
     rank: int = 0,
     world_size: int = 1,
+    executor: str = "process",
 ) -> cp.LoaderConfig:
     return cp.LoaderConfig(
         workers=cp.WorkerConfig(
@@ -21,6 +22,7 @@ def loader_config(
             buffer_size=buffer_size,
             chunk_size=chunk_size,
             start_method="fork",
+            executor=executor,
         ),
         distributed=cp.DistributedConfig(rank=rank, world_size=world_size),
         seed=seed,

@@ -168,6 +168,18 @@ def test_two_to_three_to_two_with_workers(reference: dict[str, Any], equalize: s
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("equalize", ["drop_last", "pad"])
+def test_thread_executor_on_both_sides_of_a_merge(reference: dict[str, Any], equalize: str) -> None:
+    """Per-rank states of a thread-executor run merge and resume on 3 ranks
+    running threads too: every central item once, in central order."""
+    stream = reference["stream"]
+    _, states = take(equalize, 2, 3, num_workers=2, executor="thread", buffer_size=None)
+    tails, views = resume(equalize, cp.merge_states(states), 3, num_workers=2, executor="thread")
+    assert tails == model(stream[6:], equalize, 3)
+    check_views(reference, equalize, 6, 3, views)
+
+
+@pytest.mark.timeout(60)
 def test_global_state_survives_torch_save_and_weights_only_load(
     reference: dict[str, Any],
 ) -> None:

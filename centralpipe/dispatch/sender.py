@@ -235,6 +235,19 @@ def _head_ready(s: Stream) -> bool:
     return head.closed and head.result is not None
 
 
+def _take_head(s: Stream) -> tuple[bool, Chunk | None]:
+    """Under ``s.lock``: ``(True, head)`` once the oldest chunk's result is in,
+    ``(True, None)`` when nothing is pending and the stream is exhausted,
+    ``(False, None)`` while the head is still being worked on."""
+    with s.lock:
+        if s.pending:
+            head = s.pending[0]
+            if head.closed and head.result is not None:
+                return True, head
+            return False, None
+        return s.exhausted, None
+
+
 class InlineDriver(Driver):
     """Worker stages run in the thread consuming the stream, a chunk at a time."""
 
@@ -288,13 +301,9 @@ class SegmentDriver(Driver):
                 chunk = pull_chunk(s)
                 if chunk is not None:
                     send_chunk(session, s, chunk)
-            with s.lock:
-                if s.pending:
-                    head = s.pending[0]
-                    if head.closed and head.result is not None:
-                        return head
-                elif s.exhausted:
-                    return None
+            done, head = _take_head(s)
+            if done:
+                return head
             if room and not s.exhausted:
                 continue  # keep the workers fed before waiting
             with session.wake:
@@ -342,13 +351,9 @@ class FeederDriver(Driver):
         started = time.perf_counter()
         try:
             while True:
-                with s.lock:
-                    if s.pending:
-                        head = s.pending[0]
-                        if head.closed and head.result is not None:
-                            return head
-                    elif s.exhausted:
-                        return None
+                done, head = _take_head(s)
+                if done:
+                    return head
                 if self.error is not None:
                     raise RuntimeError("centralpipe feeder thread failed") from self.error
                 session.check()

@@ -38,13 +38,13 @@ import torchdata.nodes as tn
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 import centralpipe as cp
-from centralpipe import bench_stages, bench_transport
+from centralpipe import bench_seed, bench_stages, bench_transport
 from centralpipe.config import START_METHODS
 
 __all__ = ["add_arguments", "main", "run"]
 
 WORKLOADS = ("tiny", "cpu", "tensor", "numpy")
-SECTIONS = (*WORKLOADS, "state", "stages", "startup")
+SECTIONS = (*WORKLOADS, "state", "stages", "startup", "seed")
 #: Start method of the DataLoader and ParallelMapper workers.
 PEER_START_METHOD = "fork"
 #: Items per tensor: 65536 float32 = 256 KiB.
@@ -389,6 +389,7 @@ class Results:
     state: dict[str, Any] = field(default_factory=dict)
     stages: dict[str, Any] = field(default_factory=dict)
     startup: dict[tuple[str, float], tuple[float, float]] = field(default_factory=dict)
+    seed: list[bench_seed.TokenizerResult] = field(default_factory=list)
     elapsed_s: float = 0.0
     repeat: int = 1
     retries: int = 1
@@ -482,6 +483,8 @@ def run(
     if "startup" in only:
         _log("startup: first item, fresh processes")
         res.startup = bench_transport.measure_startup(START_METHODS)
+    if "seed" in only:
+        res.seed = bench_seed.measure(scale, _log)
     res.elapsed_s = time.perf_counter() - started
     res.others = meter.others(run_start)
     return res
@@ -652,6 +655,7 @@ def report(res: Results, *, argv: Sequence[str] = ()) -> str:
         ]
     lines += bench_stages.report_lines(res.stages)
     lines += bench_transport.report_lines(res.startup)
+    lines += bench_seed.report_lines(res.seed)
     targets = _targets(res)
     if targets:
         lines += ["", "## Targets", "", "| target | measured | met |", "|---|---|---|"]
@@ -698,6 +702,7 @@ def _targets(res: Results) -> list[tuple[str, str, bool]]:
             )
     out += bench_stages.targets(res.stages)
     out += bench_transport.targets(res.startup)
+    out += bench_seed.targets(res.seed)
     return out
 
 

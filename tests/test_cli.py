@@ -250,3 +250,53 @@ def test_soak_without_its_module_exits_2(
     monkeypatch.setitem(sys.modules, "centralpipe.soak", None)
     assert main(["soak"]) == 2
     assert "centralpipe.soak" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(BENCH_TIMEOUT_S + 30)
+def test_quick_seed_bench_prints_its_table() -> None:
+    """`bench --quick --only seed` prints one row per tokenizer and contender, and the targets."""
+    from centralpipe import bench_seed
+
+    proc = _cli("bench", "--quick", "--only", "seed", "--workers", "2", timeout=BENCH_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    out = proc.stdout
+    assert "## seed:" in out and "## Targets" in out
+    rows = [line for line in out.splitlines() if line.startswith("| pure Python |")]
+    rows += [line for line in out.splitlines() if line.startswith("| BPE (tokenizers) |")]
+    contenders = [name for name, _ in bench_seed.CONTENDERS]
+    python_rows = [r for r in rows if r.startswith("| pure Python |")]
+    assert [r.split(" | ")[1] for r in python_rows] == contenders
+    for row in python_rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 7 and cells[4].endswith("x") and cells[6].endswith("%"), row
+    bpe_rows = [r for r in rows if r.startswith("| BPE (tokenizers) |")]
+    assert len(bpe_rows) == len(contenders) or (
+        len(bpe_rows) == 1 and "skipped: `tokenizers` is not importable" in bpe_rows[0]
+    )
+    assert "seed, pure-Python tokenizer: >= 20 µs a line" in out
+
+
+def test_seed_bucketizer_matches_bucket_by_max_tokens() -> None:
+    """The peers' bucketizer in the seed bench makes the batches centralpipe makes."""
+    from centralpipe import bench_seed
+
+    g = torch.Generator().manual_seed(0)
+    seqs = [list(range(int(n))) for n in torch.randint(0, 5000, (3000,), generator=g)]
+    pipe = cp.Pipeline.from_iterable(seqs).bucket_by_max_tokens(
+        bench_seed.MAX_TOKENS, buffer_size=bench_seed.BUFFER, min_len=1
+    )
+    with cp.Loader[Any](pipe) as loader:
+        expected = list(loader)
+    assert list(bench_seed.bucketize(iter(seqs))) == expected
+
+
+def test_seed_report_shows_a_skipped_tokenizer() -> None:
+    """A tokenizer that could not be built is one 'skipped' row with its reason, no target."""
+    from centralpipe import bench_seed
+
+    res = bench_seed.TokenizerResult("BPE (tokenizers)", skipped="`tokenizers` is not importable")
+    lines = bench_seed.report_lines([res])
+    assert "| BPE (tokenizers) | skipped: `tokenizers` is not importable | | | | | |" in lines
+    assert bench_seed.targets([res]) == []

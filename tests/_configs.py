@@ -27,3 +27,16 @@ def loader_config(
         distributed=cp.DistributedConfig(rank=rank, world_size=world_size),
         seed=seed,
     )
+
+
+#: Environment variables that launchers set and ``DistributedConfig.from_env()``
+#: reads; tests clear them so the machine's environment cannot leak in.
+LAUNCHER_ENV_NAMES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "SLURM_NNODES",
+)

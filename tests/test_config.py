@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 import centralpipe as cp
+from tests._configs import LAUNCHER_ENV_NAMES
 
 
 @pytest.mark.parametrize(
@@ -226,15 +227,7 @@ def test_from_toml_syntax_error_names_the_file(tmp_path: Path) -> None:
         cp.LoaderConfig.from_toml(path)
 
 
-ENV_NAMES = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "NODE_RANK",
-    "GROUP_RANK",
-    "SLURM_NNODES",
-)
+ENV_NAMES = LAUNCHER_ENV_NAMES
 
 
 @pytest.mark.parametrize(

@@ -10,16 +10,9 @@ import pytest
 
 import centralpipe as cp
 from centralpipe import launchers
+from tests._configs import LAUNCHER_ENV_NAMES
 
-ENV_NAMES = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "NODE_RANK",
-    "GROUP_RANK",
-    "SLURM_NNODES",
-)
+ENV_NAMES = LAUNCHER_ENV_NAMES
 
 
 @pytest.fixture

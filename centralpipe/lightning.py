@@ -40,6 +40,7 @@ from typing import Any, Generic, TypeVar
 import attrs
 
 from centralpipe.config import DistributedConfig, LoaderConfig
+from centralpipe.elastic import merge_states
 from centralpipe.errors import CheckpointError, ConfigError, PipelineError
 from centralpipe.loader import Loader
 from centralpipe.pipeline import Pipeline
@@ -331,22 +332,36 @@ class LightningLoader(Generic[T]):
         cfg = self.loader.config.distributed
         if world == cfg.world_size:
             return dict(parts[cfg.rank])
+        self._check_world_change(world, cfg.world_size)
         if parts[0]["epoch_done"]:
             return dict(parts[0])
-        return self._merged_part(parts, world, cfg.world_size)
-
-    def _merged_part(self, parts: list[Any], saved: int, now: int) -> dict[str, Any]:
-        import centralpipe
-
-        merge = getattr(centralpipe, "merge_states", None)
-        if merge is None:
-            msg = (
-                f"this checkpoint was saved by {saved} ranks and this job has {now}; resuming "
-                "mid-epoch on another number of ranks is not supported by this version."
-            )
-            raise CheckpointError(msg)
-        merged = merge([p["loader"] for p in parts])
+        merged = merge_states([p["loader"] for p in parts])
         return {**parts[0], "loader": merged, "epoch": merged["epoch"]}
+
+    def _check_world_change(self, saved: int, now: int) -> None:
+        """Refuse a change of world size that Lightning would count wrongly.
+
+        Lightning restores its own count of batches trained per rank and, when
+        the loader has a length, ends the epoch when that count reaches the
+        length: on another number of ranks both mean other central positions,
+        and the epoch would end early (items never trained) or run into the
+        next one. With an unknown length Lightning runs each pass to the end,
+        so the merged global state resumes exactly."""
+        try:
+            length: int | None = len(self.loader)
+        except TypeError:
+            length = None
+        if length is None:
+            return
+        msg = (
+            f"this checkpoint was saved by {saved} ranks and this job has {now}; Lightning "
+            f"counts the batches of an epoch per rank, and this loader's length is known "
+            f"({length} batches a rank), so Lightning would end the resumed epoch at the wrong "
+            f"place and lose or repeat items. Resume on {saved} devices, or on another number "
+            "of ranks with a pipeline whose length Lightning does not know, or with a plain "
+            "Loader and cp.merge_states (docs/distributed.md)."
+        )
+        raise CheckpointError(msg)
 
 
 class _Closer(_pl.Callback):

@@ -249,3 +249,28 @@ def test_ddp_resumes_from_the_rank0_checkpoint(tmp_path: Path) -> None:
     seen = [set(map(tuple, c["full"])) for c in (res["cases"][0] for res in results)]
     assert not seen[0] & seen[1], "the ranks train on different batches"
     assert (tmp_path / "known" / "ckpt").is_dir()
+    _resume_on_one_device(tmp_path, results)
+
+
+def _resume_on_one_device(out: Path, results: list[dict[str, Any]]) -> None:
+    """The 2-rank checkpoints on 1 device: exact when Lightning does not know
+    the length, a clear refusal when it does (it counts batches per rank)."""
+    full = Model(make_pipe(known_len=False, sharded=True), num_workers=1)
+    make_trainer(None).fit(full)
+    for r0, r1 in zip(results[0]["cases"], results[1]["cases"]):
+        if not r0["name"].startswith("unknown"):
+            continue
+        step = r0["step"]  # every rank trained `step` batches: 2 * step central batches
+        before = sorted(map(tuple, r0["full"][:step] + r1["full"][:step]))
+        assert before == sorted(map(tuple, full.seen[: 2 * step])), r0["name"]
+        resumed = _resume(
+            make_pipe(known_len=False, sharded=True),
+            out / "unknown" / "ckpt" / f"step={step}.ckpt",
+            num_workers=1,
+        )
+        assert resumed.seen == full.seen[2 * step :], r0["name"]
+    step = results[0]["cases"][0]["step"]
+    with pytest.raises(cp.CheckpointError, match="saved by 2 ranks and this job has 1"):
+        _resume(
+            make_pipe(known_len=True, sharded=True), out / "known" / "ckpt" / f"step={step}.ckpt"
+        )

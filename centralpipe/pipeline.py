@@ -12,88 +12,24 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-import attrs
 from torchdata.nodes import BaseNode
 
 from centralpipe.errors import PipelineError
+from centralpipe.specs import (
+    EQUALIZE,
+    WORKER_KINDS,
+    Placement,
+    StageSpec,
+    check_callable,
+    check_int,
+    check_line_encoding,
+    check_name,
+    is_sequence_like,
+)
 
-if TYPE_CHECKING:
-    from centralpipe.stages.base import Total
-
-__all__ = ["Pipeline", "StageSpec"]
-
-Placement = Literal["source", "central", "dispatch", "worker"]
-EQUALIZE = (None, "drop_last", "pad")
-#: Every ASCII character: an encoding that writes them as ASCII bytes can be split on b"\n".
-_ASCII = "".join(map(chr, range(128)))
-
-
-@attrs.frozen
-class WorkerKind:
-    """A stage kind that runs per item in the workers (or inline), and how many
-    outputs one input makes: ``"one"``, ``"at_most_one"`` or ``"any"``. (Central
-    stage kinds have their home in their node class, ``centralpipe.stages``.)"""
-
-    outputs: Literal["one", "at_most_one", "any"]
-
-    def out_total(self, total: Total, stage: str) -> Total | None:
-        """Items out of ``total`` items in (``None``: unknown)."""
-        if self.outputs == "one":
-            return total
-        return total.at_most(stage) if self.outputs == "at_most_one" else None
-
-
-#: The kinds a worker stage can have.
-WORKER_KINDS: dict[str, WorkerKind] = {
-    "map": WorkerKind("one"),
-    "collate": WorkerKind("one"),
-    "filter": WorkerKind("at_most_one"),
-    "flat_map": WorkerKind("any"),
-}
-
-
-@attrs.frozen(eq=False)
-class StageSpec:
-    """One stage of the plan: what it is, where it runs, and its arguments."""
-
-    kind: str
-    name: str
-    placement: Placement
-    fn: Any = None
-    options: dict[str, Any] = attrs.field(factory=dict)
-
-    @property
-    def parallel(self) -> bool:
-        """A central stage run in the workers (``parallel=True``)."""
-        return bool(self.options.get("parallel"))
-
-    def describe(self) -> str:
-        fn = ""
-        if self.fn is not None:
-            fn = getattr(self.fn, "__qualname__", None) or type(self.fn).__name__
-        opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items() if k != "source")
-        args = ", ".join(a for a in (fn, opts) if a)
-        return f"{self.name}: {self.kind}({args}) [{self.placement}]"
-
-
-def _check_callable(fn: Any, what: str, name: str) -> None:
-    if not callable(fn):
-        msg = f"stage '{name}': {what} must be callable, got {type(fn).__name__} {fn!r}."
-        raise PipelineError(msg)
-
-
-def _check_int(value: Any, what: str, name: str, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        msg = f"stage '{name}': `{what}` must be an int >= {minimum}, got {value!r}."
-        raise PipelineError(msg)
-
-
-def _check_name(name: Any) -> None:
-    if not isinstance(name, str) or not name:
-        msg = f"a stage name must be a non-empty str, got {name!r}."
-        raise PipelineError(msg)
+__all__ = ["WORKER_KINDS", "Pipeline", "StageSpec"]
 
 
 class Pipeline:
@@ -124,7 +60,7 @@ class Pipeline:
         A one-shot iterator (a generator, ``iter(x)``) cannot start a second
         epoch and is refused; wrap it in a function instead.
         """
-        _check_name(name)
+        check_name(name)
         if isinstance(iterable, (str, bytes)):
             msg = (
                 f"stage '{name}': from_iterable got a {type(iterable).__name__}; "
@@ -138,7 +74,7 @@ class Pipeline:
                 "sorted(...) or list(...) of it."
             )
             raise PipelineError(msg)
-        if isinstance(iterable, Sequence) or _is_sequence_like(iterable):
+        if isinstance(iterable, Sequence) or is_sequence_like(iterable):
             mode = "sequence"
         elif callable(iterable):
             mode = "factory"
@@ -172,7 +108,7 @@ class Pipeline:
     ) -> Pipeline:
         """File paths: a glob (matches sorted; resolved when the Loader starts) or
         a sequence of paths kept in the given order. Yields ``str`` paths."""
-        _check_name(name)
+        check_name(name)
         if isinstance(paths, (str, os.PathLike)):
             options: dict[str, Any] = {"glob": os.fspath(paths)}
         elif isinstance(paths, Sequence) and not isinstance(paths, bytes):
@@ -196,7 +132,7 @@ class Pipeline:
     @classmethod
     def from_dataset(cls, dataset: Any, /, *, name: str = "dataset") -> Pipeline:
         """``dataset[i]`` for ``i`` in ``range(len(dataset))``, resuming by index."""
-        _check_name(name)
+        check_name(name)
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             msg = (
                 f"stage '{name}': from_dataset needs a map-style dataset with __len__ and "
@@ -208,7 +144,7 @@ class Pipeline:
     @classmethod
     def from_node(cls, node: BaseNode[Any], /, *, name: str = "node") -> Pipeline:
         """Any ``torchdata.nodes.BaseNode``; its own ``state_dict`` is checkpointed."""
-        _check_name(name)
+        check_name(name)
         if not isinstance(node, BaseNode):
             msg = (
                 f"stage '{name}': from_node needs a torchdata.nodes.BaseNode, "
@@ -244,35 +180,7 @@ class Pipeline:
         """Paths in, lines out (``str``, without ``\\n`` or a trailing ``\\r``);
         resumes by (file, byte offset) without re-reading."""
         stage = name or self._default_name("read_lines")
-        if not isinstance(encoding, str):
-            raise PipelineError(f"stage '{stage}': `encoding` must be a str, got {encoding!r}.")
-        import codecs
-
-        try:
-            codecs.lookup(encoding)
-        except LookupError:
-            raise PipelineError(f"stage '{stage}': unknown encoding {encoding!r}.") from None
-        try:
-            "".encode(encoding)
-        except LookupError:  # a codec such as "rot13" or "hex"
-            msg = f"stage '{stage}': {encoding!r} is not a text encoding (e.g. 'utf-8')."
-            raise PipelineError(msg) from None
-        try:
-            # utf-8-sig writes a BOM first and is otherwise UTF-8.
-            encoded = _ASCII.encode(encoding).removeprefix(codecs.BOM_UTF8)
-            ascii_compatible = encoded == _ASCII.encode("ascii")
-        except (UnicodeError, LookupError, TypeError):
-            ascii_compatible = False
-        if not ascii_compatible:
-            # Lines are found by splitting the bytes on b"\n", which in UTF-16/32
-            # (and EBCDIC, UTF-7, bytes-to-bytes codecs) is not a line end.
-            msg = (
-                f"stage '{stage}': read_lines needs an ASCII-compatible text encoding (it splits "
-                f"each file's bytes on b'\\n'), and {encoding!r} is not one. Convert the files "
-                "to UTF-8, or read whole files with .map(lambda p: open(p, "
-                f"encoding={encoding!r}).read().splitlines()) and .flat_map."
-            )
-            raise PipelineError(msg)
+        check_line_encoding(encoding, stage)
         return self._add("read_lines", name, "central", options={"encoding": encoding})
 
     def map(
@@ -345,7 +253,7 @@ class Pipeline:
     ) -> Pipeline:
         """Lists of ``batch_size`` items (the last may be shorter unless ``drop_last``)."""
         stage = name or self._default_name("batch")
-        _check_int(batch_size, "batch_size", stage, 1)
+        check_int(batch_size, "batch_size", stage, 1)
         return self._add(
             "batch",
             name,
@@ -372,13 +280,13 @@ class Pipeline:
         ``[min_len, max_len]`` are dropped; one longer than ``max_tokens`` is
         emitted alone. Equal lengths keep arrival order."""
         stage = name or self._default_name("bucket_by_max_tokens")
-        _check_int(max_tokens, "max_tokens", stage, 1)
-        _check_callable(len_fn, "`len_fn`", stage)
+        check_int(max_tokens, "max_tokens", stage, 1)
+        check_callable(len_fn, "`len_fn`", stage)
         if buffer_size is not None:
-            _check_int(buffer_size, "buffer_size", stage, 1)
-        _check_int(min_len, "min_len", stage, 0)
+            check_int(buffer_size, "buffer_size", stage, 1)
+        check_int(min_len, "min_len", stage, 0)
         if max_len is not None:
-            _check_int(max_len, "max_len", stage, min_len)
+            check_int(max_len, "max_len", stage, min_len)
         options = {
             "max_tokens": max_tokens,
             "buffer_size": buffer_size,
@@ -409,9 +317,9 @@ class Pipeline:
         from centralpipe.stages.pack import OVERSIZE, STRATEGIES
 
         stage = name or self._default_name("pack")
-        _check_int(max_tokens, "max_tokens", stage, 1)
-        _check_callable(len_fn, "`len_fn`", stage)
-        _check_int(buffer_size, "buffer_size", stage, 1)
+        check_int(max_tokens, "max_tokens", stage, 1)
+        check_callable(len_fn, "`len_fn`", stage)
+        check_int(buffer_size, "buffer_size", stage, 1)
         if strategy not in STRATEGIES:
             msg = f"stage '{stage}': `strategy` must be one of {STRATEGIES}, got {strategy!r}."
             raise PipelineError(msg)
@@ -430,7 +338,7 @@ class Pipeline:
         """Buffered shuffle seeded by ``(seed, epoch)``; the buffer and the
         generator state are checkpointed."""
         stage = name or self._default_name("shuffle")
-        _check_int(buffer_size, "buffer_size", stage, 1)
+        check_int(buffer_size, "buffer_size", stage, 1)
         return self._add("shuffle", name, "central", options={"buffer_size": buffer_size})
 
     def count(
@@ -446,7 +354,7 @@ class Pipeline:
             )
             raise PipelineError(msg)
         if weight_fn is not None:
-            _check_callable(weight_fn, "`weight_fn`", name or self._default_name("count"))
+            check_callable(weight_fn, "`weight_fn`", name or self._default_name("count"))
         return self._add("count", name, "central", fn=weight_fn)
 
     def shard(
@@ -558,7 +466,7 @@ class Pipeline:
         options: dict[str, Any] | None = None,
     ) -> Pipeline:
         stage = self._default_name(kind) if name is None else name
-        _check_name(stage)
+        check_name(stage)
         if placement == "central" and self._dispatch_index() is not None:
             msg = (
                 f"stage '{stage}': {kind}() is a central (stateful) stage and cannot come after "
@@ -567,23 +475,10 @@ class Pipeline:
             )
             raise PipelineError(msg)
         if fn is not None or kind in WORKER_KINDS:
-            _check_callable(fn, "the function", stage)
+            check_callable(fn, "the function", stage)
         taken = {s.name for s in self._all_specs()}
         if stage in taken:
             msg = f"stage name '{stage}' is already used in this pipeline; pass a unique name=."
             raise PipelineError(msg)
         spec = StageSpec(kind, stage, placement, fn=fn, options=dict(options or {}))
         return Pipeline((*self._specs, spec))
-
-
-def _is_sequence_like(obj: Any) -> bool:
-    """Indexable with a length, but not a mapping (dict keys are not indices)."""
-    from collections.abc import Mapping
-
-    return (
-        hasattr(obj, "__len__")
-        and hasattr(obj, "__getitem__")
-        and not isinstance(obj, Mapping)
-        and not callable(obj)
-        and type(obj).__module__ == "builtins"
-    )

@@ -238,7 +238,14 @@ class Session:
             if self.strikes[key] > self.policy.item_retries or (hung and not ex.can_kill):
                 self._poison(stream, chunk, at, stage, what, exitcode)
         with slot.send_lock:
-            ex.replace(slot)
+            try:
+                ex.replace(slot)
+            except Exception as exc:  # EMFILE, out of memory, ...: the slot is left empty
+                msg = (
+                    f"{kind} worker {slot.index} {what}{text}; could not start a replacement: "
+                    f"{type(exc).__name__}: {protocol.exception_text(exc)}"
+                )
+                raise WorkerError(msg, stage=stage, seq=seq, exitcode=exitcode) from exc
         self._owed_since.pop(slot.index, None)
         for stream in self.streams:
             for chunk in list(stream.pending):

@@ -25,10 +25,12 @@ __all__ = ["DistributedConfig", "LoaderConfig", "WorkerConfig"]
 
 #: Default bound on items dispatched to workers but not yet delivered.
 DEFAULT_BUFFER_SIZE = 4096
+#: Default bound on the bytes of results held before their turn (256 MiB).
+DEFAULT_BUFFER_BYTES = 256 * 2**20
 START_METHODS = ("fork", "forkserver", "spawn")
 ON_ERROR = ("raise", "skip")
 EXECUTORS = ("process", "thread")
-#: Spelling of ``buffer_size=None`` in formats without a null (TOML).
+#: Spelling of ``buffer_size=None`` (and ``buffer_bytes``) in formats without a null (TOML).
 UNLIMITED = "unlimited"
 
 #: Seeds are mixed as 64-bit values (:mod:`centralpipe.seeding`): a seed of
@@ -61,7 +63,7 @@ def _instance(cls: type) -> Validator:
     return checked(ConfigError, f"a {cls.__name__}", v.instance_of(cls))
 
 
-def _buffer_size(value: Any) -> Any:
+def _unlimited_as_none(value: Any) -> Any:
     return None if value == UNLIMITED else value
 
 
@@ -74,6 +76,17 @@ class WorkerConfig:
             main process with the same output and checkpoints.
         buffer_size: most items dispatched but not yet delivered; the feeder
             blocks (never raises) when it is reached. ``None``: unlimited.
+        buffer_bytes: most bytes of results received from workers and held
+            in the main process before their turn (results arrive out of
+            order: one straggling item makes the others' results wait). When
+            it is reached, workers that owe nothing the consumer waits for
+            are not read (each waits with its result) and no new chunk is
+            sent; the result waited for is always accepted, so nothing
+            deadlocks and a single result larger than the bound still passes.
+            Held bytes stay under the bound plus about one result per worker
+            (``metrics()["dispatch"]["buffered_bytes_high_water"]``). Counted
+            as received (the message size); for thread workers, estimated
+            from the outputs. ``None``: unlimited (``"unlimited"`` in TOML).
         start_method: ``"fork"``, ``"forkserver"`` or ``"spawn"``; ``None``
             picks ``"forkserver"`` where available (safe with the feeder thread
             running, and Python 3.14's default on Linux), else ``"spawn"``.
@@ -96,7 +109,10 @@ class WorkerConfig:
 
     num_workers: int = attrs.field(default=0, validator=_int(0))
     buffer_size: int | None = attrs.field(
-        default=DEFAULT_BUFFER_SIZE, converter=_buffer_size, validator=_optional(_int(1))
+        default=DEFAULT_BUFFER_SIZE, converter=_unlimited_as_none, validator=_optional(_int(1))
+    )
+    buffer_bytes: int | None = attrs.field(
+        default=DEFAULT_BUFFER_BYTES, converter=_unlimited_as_none, validator=_optional(_int(1))
     )
     start_method: str | None = attrs.field(
         default=None, validator=_optional(_choice(START_METHODS))
@@ -205,7 +221,8 @@ class LoaderConfig:
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> LoaderConfig:
         """Load from a TOML file with ``[workers]`` and ``[distributed]`` tables
-        and a top-level ``seed``; write ``buffer_size = "unlimited"`` for ``None``."""
+        and a top-level ``seed``; write ``buffer_size = "unlimited"`` (or
+        ``buffer_bytes``) for ``None``."""
         with Path(path).open("rb") as f:
             try:
                 data = tomllib.load(f)

@@ -219,6 +219,7 @@ class Loader(Generic[T]):
             max_restarts=w.max_restarts,
             item_retries=w.item_retries,
             on_error=w.on_error,
+            buffer_bytes=w.buffer_bytes,
         )
         pooled = w.num_workers > 0 and (bool(self._chain.specs) or bool(self._segments))
         executor = self._ensure_pool() if pooled else None
@@ -484,6 +485,9 @@ class Loader(Generic[T]):
             "buffered": max(0, run.in_flight - run.delivered_in_chunk()) if run is not None else 0,
             "buffer_size": w.buffer_size,
             "buffer_high_water": s.high_water,
+            "buffered_bytes": run.held_bytes() if run is not None else 0,
+            "buffer_bytes": w.buffer_bytes,
+            "buffered_bytes_high_water": s.bytes_high_water,
             "chunk_size": s.chunk_size,
             "skipped": s.skipped + sum(seg.skipped for seg in self._segment_stats.values()),
             "restarts": s.restarts,

@@ -22,6 +22,11 @@ from tests._configs import LAUNCHER_ENV_NAMES
         ({"buffer_size": -3}, "buffer_size"),
         ({"buffer_size": "x"}, "buffer_size"),
         ({"buffer_size": 2.0}, "buffer_size"),
+        ({"buffer_bytes": 0}, "buffer_bytes"),
+        ({"buffer_bytes": -1}, "buffer_bytes"),
+        ({"buffer_bytes": 1.5e9}, "buffer_bytes"),
+        ({"buffer_bytes": True}, "buffer_bytes"),
+        ({"buffer_bytes": "256MiB"}, "buffer_bytes"),
         ({"start_method": "bogus"}, "start_method"),
         ({"on_error": "ignore"}, "on_error"),
         ({"timeout_s": 0}, "timeout_s"),
@@ -96,12 +101,20 @@ def test_buffer_size_none_means_unlimited() -> None:
     assert isinstance(cp.WorkerConfig().buffer_size, int)
 
 
+def test_buffer_bytes_default_none_and_unlimited() -> None:
+    """`buffer_bytes` defaults to 256 MiB; `None` and `"unlimited"` mean no bound."""
+    assert cp.WorkerConfig().buffer_bytes == 256 * 2**20
+    assert cp.WorkerConfig(buffer_bytes=None).buffer_bytes is None
+    assert cp.WorkerConfig(buffer_bytes="unlimited").buffer_bytes is None  # type: ignore[arg-type]
+
+
 CONFIGS = {
     "default": cp.LoaderConfig(),
     "full": cp.LoaderConfig(
         workers=cp.WorkerConfig(
             num_workers=3,
             buffer_size=None,
+            buffer_bytes=1024,
             start_method="spawn",
             timeout_s=2.5,
             max_restarts=0,

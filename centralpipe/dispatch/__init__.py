@@ -19,6 +19,8 @@ Modules, by role:
 - ``reorder``    a :class:`~centralpipe.dispatch.reorder.Stream`: in-order
   delivery and the checkpoint capture of its in-flight inputs.
 - ``supervisor`` receiving every result; deaths, hangs, poison items, restarts.
+- ``budget``     the bytes of results held before their turn, and the bound
+  on them (``buffer_bytes``): which streams may send, which workers are read.
 - ``boundary``   assembling a run of every stream (the Loader's entry).
 
 The concurrency story
@@ -55,14 +57,18 @@ Who blocks on what, and the bound (every wait is at most ``POLL_S`` and
 re-checks for stop and errors; ``Session.wake`` is the one condition that
 results, re-sends, errors and room in a buffer notify):
 
-- central thread, buffer full or waiting for a parallel stage's result:
-  ``Session.wake.wait(POLL_S)``;
+- central thread, buffer full (in items, or in bytes: ``budget``) or waiting
+  for a parallel stage's result: ``Session.wake.wait(POLL_S)``;
 - central thread, pipe full: ``send_bytes`` to one worker; ended by that
   worker reading (its output is always read), dying, or being killed by
   ``Session.stop`` after ``STOP_TIMEOUT_S``;
 - consumer, waiting for the head chunk: ``Session.wake.wait(POLL_S)``;
 - supervisor: ``multiprocessing.connection.wait`` on every pipe, process
-  sentinel and a wake-up pipe (``POLL_S``), or a queue ``get`` for threads;
+  sentinel and a wake-up pipe (``POLL_S``), or a queue ``get`` for threads.
+  At the byte bound it leaves some workers' pipes unread, never one that owes
+  the first chunk without a result of a stream, nor one being sent to;
+- a worker left unread by the byte bound: its ``send`` (a process) or its
+  hand-over (a thread, re-checked every 0.1 s), until the consumer catches up;
 - workers: ``recv`` on their pipe (EOF when the main process closes it or
   dies; a watchdog thread exits a worker whose parent is gone).
 

@@ -122,6 +122,9 @@ class Run:
             self.stream.driver = InlineDriver(self.stream, on_stop=self._stop_session)
         if self.session is not None:
             self.session.streams = [*self.segment_streams, self.stream]
+            self.session.held.streams = self.session.streams
+            for stream in self.session.streams:
+                stream.held = self.session.held
             self.session.start()
         for node, stream in zip(self.segments, self.segment_streams):
             node.attach(stream)
@@ -164,6 +167,10 @@ class Run:
 
     def delivered_in_chunk(self) -> int:
         return self.stream.delivered_in_chunk()
+
+    def held_bytes(self) -> int:
+        """Bytes of results received from workers and not yet delivered."""
+        return 0 if self.session is None else self.session.held.held
 
     def segment_in_flight(self) -> dict[str, int]:
         return {n.name: s.in_flight for n, s in zip(self.segments, self.segment_streams)}

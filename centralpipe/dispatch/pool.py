@@ -25,6 +25,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, NamedTuple
 
 from centralpipe.dispatch import protocol
+from centralpipe.dispatch.budget import estimate_nbytes
 from centralpipe.dispatch.protocol import (
     MSG_RESULT,
     MSG_STATES,
@@ -41,6 +42,8 @@ _JOIN_TIMEOUT_S = 2.0
 _TERMINATE_TIMEOUT_S = 1.0
 _KILL_TIMEOUT_S = 5.0
 _THREAD_JOIN_TIMEOUT_S = 1.0
+#: How often a paused worker thread re-checks whether it may hand over its result.
+_PAUSE_POLL_S = 0.1
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 #: What the forkserver imports once, before it forks any worker: the worker
 #: loop and what it needs (torch, numpy). The user's stage functions are
@@ -97,6 +100,9 @@ class Slot:
         # Write end of the worker's death pipe (see dispatch.worker): held
         # here alone, closed when the worker is replaced or the pool closes.
         self.death: Connection | None = None
+        #: A send to this worker is in progress: its results are read even
+        #: while paused (dispatch.budget), so the send cannot block forever.
+        self.sending = False
 
     def ready(self) -> bool:
         """The worker got as far as its receive loop."""
@@ -108,10 +114,12 @@ class Slot:
 
 
 class Event(NamedTuple):
-    """A message from a slot's worker, or (``message is None``) its death."""
+    """A message from a slot's worker, or (``message is None``) its death;
+    ``nbytes``: what the message holds in this process (``dispatch.budget``)."""
 
     slot: Slot
     message: Any
+    nbytes: int = 0
 
 
 class Executor(abc.ABC):
@@ -125,6 +133,8 @@ class Executor(abc.ABC):
         self.spec = spec
         self.slots = [Slot(i) for i in range(num_workers)]
         self.closed = False
+        #: Measure the bytes of results (set by the run when it bounds them).
+        self.measure = False
 
     def start(self) -> None:
         for slot in self.slots:
@@ -153,8 +163,10 @@ class Executor(abc.ABC):
         """A control message (e.g. a state request); ``False`` if gone."""
 
     @abc.abstractmethod
-    def wait(self, timeout: float) -> list[Event]:
-        """Messages and deaths, waiting at most ``timeout`` seconds."""
+    def wait(self, timeout: float, paused: frozenset[int] = frozenset()) -> list[Event]:
+        """Messages and deaths, waiting at most ``timeout`` seconds; results
+        of the ``paused`` slots are left with their workers for now (deaths
+        are still reported)."""
 
     @abc.abstractmethod
     def interrupt(self) -> None:
@@ -189,6 +201,7 @@ class ProcessPool(Executor):
         self.current_run = self.ctx.RawValue("q", 0)
         # A pipe to ourselves: interrupt() makes wait() return at once.
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
+        self._paused: frozenset[int] = frozenset()
         if start_method == "forkserver":
             warm_up(start_method)
 
@@ -233,19 +246,25 @@ class ProcessPool(Executor):
     def send(self, slot: Slot, message: Encoded) -> bool:
         if slot.conn is None:
             return False
+        slot.sending = True
+        if self._paused:
+            self.interrupt()  # the supervisor reads this worker while we write
         try:
             protocol.send_encoded(slot.conn, message)
             return True
         except (OSError, EOFError, ValueError):
             return False  # the worker died; the supervisor replaces it
+        finally:
+            slot.sending = False
 
     def send_control(self, slot: Slot, obj: Any) -> bool:
         return self.send(slot, protocol.encode(obj))
 
-    def wait(self, timeout: float) -> list[Event]:
+    def wait(self, timeout: float, paused: frozenset[int] = frozenset()) -> list[Event]:
+        self._paused = paused
         waitables: dict[Any, Slot] = {}
         for slot in self.slots:
-            if slot.conn is not None:
+            if slot.conn is not None and slot.index not in paused:
                 waitables[slot.conn] = slot
             if slot.process is not None:
                 waitables[slot.process.sentinel] = slot
@@ -262,7 +281,7 @@ class ProcessPool(Executor):
                 continue
             if isinstance(obj, Connection):
                 try:
-                    events.append(Event(slot, protocol.recv(obj)))
+                    events.append(Event(slot, *protocol.recv_counted(obj)))
                     continue
                 except (EOFError, OSError):
                     pass
@@ -272,7 +291,10 @@ class ProcessPool(Executor):
 
     def interrupt(self) -> None:
         if not self.closed:
-            self._wake_w.send_bytes(b"")
+            try:
+                self._wake_w.send_bytes(b"")
+            except OSError:  # closed meanwhile by close()
+                pass
 
     def replace(self, slot: Slot) -> None:
         """Kill (if needed) and reap the slot's process, close its pipe and
@@ -344,6 +366,10 @@ class ThreadPool(Executor):
         super().__init__(num_workers, spec)
         self.current_run = types.SimpleNamespace(value=0)
         self.outbox: queue.Queue[tuple[int, int, Any] | None] = queue.Queue()
+        # Paused slots (dispatch.budget): their threads wait before handing
+        # over a result, re-checking every _PAUSE_POLL_S.
+        self._paused: frozenset[int] = frozenset()
+        self._resume = threading.Condition()
 
     def _start(self, slot: Slot) -> None:
         inbox: queue.Queue[Encoded | None] = queue.Queue()
@@ -362,6 +388,9 @@ class ThreadPool(Executor):
             # supervisor expects them so (a chunk re-sent item by item).
             if per and not isinstance(result.outputs, protocol.Undecodable):
                 result = protocol.group_outputs(result)
+            with self._resume:
+                while index in self._paused and slot.gen == gen and not self.closed:
+                    self._resume.wait(_PAUSE_POLL_S)
             outbox.put((index, gen, (MSG_RESULT, run_id, stream, cid, result)))
             return True
 
@@ -386,12 +415,18 @@ class ThreadPool(Executor):
         if slot.inbox is None or self.closed:
             return False
         slot.inbox.put(message)
+        if slot.index in self._paused:
+            self.interrupt()  # the supervisor decides again whether to hold it back
         return True
 
     def send_control(self, slot: Slot, obj: Any) -> bool:
         return self.send(slot, protocol.encode(obj))
 
-    def wait(self, timeout: float) -> list[Event]:
+    def wait(self, timeout: float, paused: frozenset[int] = frozenset()) -> list[Event]:
+        if paused != self._paused:
+            with self._resume:
+                self._paused = paused
+                self._resume.notify_all()
         events: list[Event] = []
         try:
             got = [self.outbox.get(timeout=timeout)]
@@ -408,7 +443,10 @@ class ThreadPool(Executor):
             index, gen, msg = entry
             slot = self.slots[index]
             if gen == slot.gen:  # else: from a worker given up on
-                events.append(Event(slot, msg))
+                nbytes = 0
+                if self.measure and msg is not None and msg[0] == MSG_RESULT:
+                    nbytes = estimate_nbytes(msg[4].outputs)
+                events.append(Event(slot, msg, nbytes))
         return events
 
     def interrupt(self) -> None:
@@ -433,6 +471,8 @@ class ThreadPool(Executor):
             return
         self.closed = True
         self.current_run.value = ABANDON_ALL
+        with self._resume:
+            self._resume.notify_all()
         for slot in self.slots:
             if slot.inbox is not None:
                 slot.inbox.put(None)

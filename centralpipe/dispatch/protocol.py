@@ -64,6 +64,7 @@ __all__ = [
     "picklable_error",
     "read_status",
     "recv",
+    "recv_counted",
     "seal_outputs",
     "send",
     "send_encoded",
@@ -165,6 +166,7 @@ class Chunk:
         "cid",
         "closed",
         "first_seq",
+        "held_bytes",
         "items",
         "per_item",
         "pinned",
@@ -196,6 +198,7 @@ class Chunk:
         self.unsendable: list[StageFailure] = []
         self.pinned: Any = None  # a Future of the pinned outputs (pin_memory=True)
         self.per_item = False  # items and outputs sealed one by one (see above)
+        self.held_bytes = 0  # bytes its result holds until delivered (dispatch.budget)
 
 
 class InFlight:
@@ -242,6 +245,12 @@ def send(conn: Connection, obj: Any) -> None:
 def recv(conn: Connection) -> Any:
     """Read one message written by :func:`send` / :func:`send_encoded`."""
     return transport.recv(conn)
+
+
+def recv_counted(conn: Connection) -> tuple[Any, int]:
+    """:func:`recv`, and the bytes the message holds in this process (see
+    :mod:`centralpipe.dispatch.budget`)."""
+    return transport.recv_counted(conn)
 
 
 def chunk_message(

@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from centralpipe.dispatch.budget import ResultBytes
 from centralpipe.dispatch.chain import WorkerChain
 from centralpipe.dispatch.protocol import Chunk, ChunkResult, InFlight
 from centralpipe.errors import CheckpointError, WorkerError
@@ -109,6 +110,8 @@ class StreamStats:
         self.restarts = 0
         self.epoch_restarts = 0
         self.high_water = 0
+        self.bytes_high_water = 0  # of results held before their turn (dispatch.budget)
+        self.bytes_per_item = -1.0  # of this stream's results, measured (-1: not yet)
         self.wait_workers_s = 0.0
         self.wait_central_s = 0.0
         self.items_per_worker = [0] * num_slots
@@ -159,6 +162,8 @@ class Stream:
         self._key = rng_base
         #: Notified when room appears in the buffer (the pool's wake-up condition).
         self.wake: threading.Condition | None = None
+        #: The run's count of bytes held by results (with workers; see dispatch.budget).
+        self.held: ResultBytes | None = None
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self.pending: deque[Chunk] = deque()
@@ -342,6 +347,8 @@ class Stream:
             self.pending.popleft()
             self.by_cid.pop(chunk.cid, None)
             self.in_flight -= len(chunk.items)
+            if self.held is not None:
+                self.held.release(self, chunk)
             if chunk.stamps:
                 self.last_stamp = chunk.stamps[-1]
             done = len(chunk.result.outputs) if chunk.result else 0

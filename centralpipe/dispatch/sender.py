@@ -297,6 +297,7 @@ class SegmentDriver(Driver):
             session.check()
             drain_resends(session)
             room = s.buffer_size is None or s.in_flight < s.buffer_size
+            room = room and session.held.may_pull(s)
             if room and not s.exhausted:
                 chunk = pull_chunk(s)
                 if chunk is not None:
@@ -327,7 +328,11 @@ class FeederDriver(Driver):
 
     def _room(self) -> bool:
         s = self.stream
-        return not s.exhausted and (s.buffer_size is None or s.in_flight < s.buffer_size)
+        return (
+            not s.exhausted
+            and (s.buffer_size is None or s.in_flight < s.buffer_size)
+            and self.session.held.may_pull(s)
+        )
 
     def _feed(self) -> None:
         s, session = self.stream, self.session

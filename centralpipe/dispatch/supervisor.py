@@ -22,6 +22,7 @@ from collections import defaultdict, deque
 from typing import Any
 
 from centralpipe.dispatch import protocol
+from centralpipe.dispatch.budget import ResultBytes
 from centralpipe.dispatch.pool import Executor, ProcessPool, Slot
 from centralpipe.dispatch.protocol import MSG_RESULT, MSG_STATES, Chunk, StageFailure
 from centralpipe.dispatch.reorder import Stream, StreamStats, logger
@@ -43,12 +44,19 @@ class Policy:
     """How faults are treated (from ``WorkerConfig``)."""
 
     def __init__(
-        self, *, timeout_s: float | None, max_restarts: int, item_retries: int, on_error: str
+        self,
+        *,
+        timeout_s: float | None,
+        max_restarts: int,
+        item_retries: int,
+        on_error: str,
+        buffer_bytes: int | None = None,
     ) -> None:
         self.timeout_s = timeout_s
         self.max_restarts = max_restarts
         self.item_retries = item_retries
         self.on_error = on_error
+        self.buffer_bytes = buffer_bytes
 
 
 class Session:
@@ -77,11 +85,17 @@ class Session:
         self.states: dict[int, Any] = {}
         self._rr = 0
         self._owed_since: dict[int, float] = {}
+        #: Bytes of received results not yet delivered, bounded by ``buffer_bytes``.
+        self.held = ResultBytes(policy.buffer_bytes, on_room=executor.interrupt, stats=stats)
+        #: A state request is being answered: every worker is read.
+        self.asking = False
+        self._paused: frozenset[int] = frozenset()
         self.thread = threading.Thread(
             target=self._supervise, name="centralpipe-supervisor", daemon=True
         )
 
     def start(self) -> None:
+        self.executor.measure = self.held.limit is not None
         self.executor.set_run(self.run_id)
         self.executor.ensure_alive()
         self.thread.start()
@@ -106,13 +120,14 @@ class Session:
     def _supervise(self) -> None:
         try:
             while not self.stopping:
-                for event in self.executor.wait(POLL_S):
+                self._paused = paused = self._pause()
+                for event in self.executor.wait(POLL_S, paused):
                     if self.stopping:
                         break
                     if event.message is None:
                         self._recover(event.slot, hung=False)
                     else:
-                        self._handle(event.slot, event.message)
+                        self._handle(event.slot, event.message, event.nbytes)
                 if self.policy.timeout_s is not None and not self.stopping:
                     self._check_deadlines(self.policy.timeout_s)
         except BaseException as exc:  # WorkerError, or a failed replacement
@@ -122,7 +137,13 @@ class Session:
         finally:
             self.notify()
 
-    def _handle(self, slot: Slot, msg: Any) -> None:
+    def _pause(self) -> frozenset[int]:
+        """Slots not to read now: see :mod:`centralpipe.dispatch.budget`."""
+        if self.asking or self.abandoned:
+            return frozenset()
+        return self.held.paused(self.executor.slots)
+
+    def _handle(self, slot: Slot, msg: Any, nbytes: int = 0) -> None:
         if msg[0] == MSG_RESULT:
             _, run_id, stream_id, cid, result = msg
             if run_id != self.run_id or not 0 <= stream_id < len(self.streams):
@@ -140,6 +161,7 @@ class Session:
                 stage = stream.chain.specs[-1].name if stream.chain.specs else None
                 result = protocol.unseal_outputs(result, stage, stream.dispatch_name)
             stream.stats.items_per_worker[slot.index] += len(chunk.items)
+            self.held.add(stream, chunk, nbytes)
             chunk.result = stream.accept(chunk, result)
             self.notify()
         elif msg[0] == MSG_STATES:
@@ -169,6 +191,10 @@ class Session:
                 self._owed_since.pop(slot.index, None)
                 if now - busy[3] > timeout_s:
                     self._recover(slot, hung=True)
+                continue
+            if slot.index in self._paused:
+                # Its results are left unread on purpose (the byte bound).
+                self._owed_since.pop(slot.index, None)
                 continue
             # Idle, or not started: hung too if it owes results for too long.
             if not self._owes(slot):
@@ -291,20 +317,28 @@ class Session:
         """Ask every worker for its stateful stages' state (a control message
         answered through the supervisor thread, never the consumer)."""
         self.states = {}
-        for slot in self.executor.slots:
-            with slot.send_lock:
-                self.executor.send_control(slot, (MSG_STATES,))
-        deadline = time.monotonic() + STATES_TIMEOUT_S
-        with self.wake:
-            while len(self.states) < len(self.executor.slots) and self.error is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    missing = [s.index for s in self.executor.slots if s.index not in self.states]
-                    msg = (
-                        f"workers {missing} did not answer a state request in {STATES_TIMEOUT_S} s."
-                    )
-                    raise RuntimeError(msg)
-                self.wake.wait(min(left, POLL_S))
+        self.asking = True  # workers paused for the byte bound answer too
+        self.executor.interrupt()
+        try:
+            for slot in self.executor.slots:
+                with slot.send_lock:
+                    self.executor.send_control(slot, (MSG_STATES,))
+            deadline = time.monotonic() + STATES_TIMEOUT_S
+            with self.wake:
+                while len(self.states) < len(self.executor.slots) and self.error is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        missing = [
+                            s.index for s in self.executor.slots if s.index not in self.states
+                        ]
+                        msg = (
+                            f"workers {missing} did not answer a state request in "
+                            f"{STATES_TIMEOUT_S} s."
+                        )
+                        raise RuntimeError(msg)
+                    self.wake.wait(min(left, POLL_S))
+        finally:
+            self.asking = False
         self.check()
         return [self.states.get(i, {}) for i in range(len(self.executor.slots))]
 

@@ -46,7 +46,18 @@ try:
 except ImportError:  # pragma: no cover - numpy is optional
     np = None  # type: ignore[assignment]
 
-__all__ = ["Message", "Sealed", "Undecodable", "copy", "dumps", "loads", "recv", "send", "write"]
+__all__ = [
+    "Message",
+    "Sealed",
+    "Undecodable",
+    "copy",
+    "dumps",
+    "loads",
+    "recv",
+    "recv_counted",
+    "send",
+    "write",
+]
 
 #: Regions smaller than this travel inside the header (one copy beats a message).
 INBAND_MAX_BYTES = 16 * 1024
@@ -458,8 +469,14 @@ def recv(conn: Connection) -> Any:
 
     Every byte of the message is read before anything is unpickled, so an
     object that fails to unpickle (raised as is) leaves the pipe in step."""
+    return recv_counted(conn)[0]
+
+
+def recv_counted(conn: Connection) -> tuple[Any, int]:
+    """:func:`recv`, and the bytes the message took (header and buffers)."""
     head = conn.recv_bytes()
     buffers = []
+    nbytes = len(head)
     for size in buffer_sizes(head):
         buf = bytearray(size)
         if size:
@@ -467,4 +484,5 @@ def recv(conn: Connection) -> Any:
         else:
             conn.recv_bytes()
         buffers.append(buf)
-    return loads(head, buffers)
+        nbytes += size
+    return loads(head, buffers), nbytes

@@ -24,6 +24,7 @@ import abc
 import concurrent.futures
 import contextlib
 import functools
+import itertools
 import logging
 import operator
 import threading
@@ -195,6 +196,8 @@ class Stream:
         self._cur_list: list[Any] = []
         self._cur_it: Iterator[Any] | None = None
         self._cur_base = 0
+        #: The current chunk has no failures: its outputs may be taken in bulk.
+        self._cur_plain = False
 
     # -- stamps ----------------------------------------------------------------
 
@@ -285,6 +288,7 @@ class Stream:
             self._cur_list = result.outputs
             it = iter(result.outputs)
             self._cur_it = it
+            self._cur_plain = result.failures is None
             if result.failures is None:
                 yield from it
             else:
@@ -298,6 +302,19 @@ class Stream:
             raise self.central_error
         self.finished = True
         self.stop()
+
+    def take_plain(self, out: list[Any], n: int) -> int:
+        """Append up to ``n`` undelivered outputs of the current chunk to
+        ``out`` in one slice, when it has no failures (else none); returns
+        how many. Delivers them exactly as :meth:`outputs` would: it reads
+        the same iterator, which the next ``outputs()`` step finds
+        advanced. Only for the thread consuming this stream."""
+        it = self._cur_it
+        if it is None or not self._cur_plain:
+            return 0
+        before = len(out)
+        out.extend(itertools.islice(it, n))
+        return len(out) - before
 
     def _take_pinned(self, chunk: Chunk, result: ChunkResult) -> ChunkResult:
         """The chunk's outputs as the pin thread pinned them."""
@@ -356,6 +373,7 @@ class Stream:
             self.delivered += done
             self.current = None
             self._cur_it = None
+            self._cur_plain = False
             self.cond.notify_all()
         if self.wake is not None:
             with self.wake:

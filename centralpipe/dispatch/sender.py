@@ -49,12 +49,19 @@ LOCK_SLICE_S = 0.0005
 #: Work per chunk the adaptive chunk size aims at.
 TARGET_CHUNK_S = 0.005
 MAX_CHUNK = 1024
-#: Most items pulled between two looks at the clock.
+#: Most items pulled between two looks at the clock (one at a time; in
+#: bulk, up to ``MAX_CHUNK``).
 PULL_BURST = 32
 
 
 def target_chunk(s: Stream) -> int:
     """Items for the next chunk: fixed, or adapted to the measured cost."""
+    n = _chunk_target(s)
+    s.stats.chunk_size = n
+    return n
+
+
+def _chunk_target(s: Stream) -> int:
     if s.fixed_chunk is not None:
         n = s.fixed_chunk
     elif s.cost_per_item <= 0:
@@ -63,8 +70,18 @@ def target_chunk(s: Stream) -> int:
         n = max(1, min(MAX_CHUNK, int(TARGET_CHUNK_S / s.cost_per_item)))
     if s.buffer_size is not None:
         n = min(n, max(1, s.buffer_size // (2 * s.parallelism)))
-    s.stats.chunk_size = n
     return n
+
+
+def has_room(s: Stream) -> bool:
+    """Whether the buffer has room for a whole chunk. Pulling as soon as one
+    item fits would size every later chunk like the one just retired: the
+    small first chunks would stay small for the whole epoch."""
+    if s.exhausted:
+        return False
+    if s.buffer_size is None:
+        return True
+    return s.buffer_size - s.in_flight >= _chunk_target(s)
 
 
 def pull_chunk(s: Stream) -> Chunk | None:
@@ -86,6 +103,10 @@ def pull_chunk(s: Stream) -> Chunk | None:
     nxt = s.tip.next
     items, stamps = chunk.items, chunk.stamps
     append = items.append
+    # Without stamps, items come in bulk (``pull_into``): a source or a
+    # parallel stage hands out a slice at a time instead of one per call.
+    pull = s.tip.pull_into if stamps is None else None
+    most = PULL_BURST if pull is None else MAX_CHUNK
     while True:
         if s._readers:
             # Lock hand-off is not fair: drop the GIL so a waiting
@@ -110,11 +131,15 @@ def pull_chunk(s: Stream) -> Chunk | None:
             try:
                 while len(items) < target:
                     # Pull in short bursts; look at the clock between them.
-                    for _ in range(min(s._burst, target - len(items))):
-                        item = nxt()
-                        if stamps is not None:
-                            stamps.append(s._stamp_now())
-                        append(item)
+                    burst = min(s._burst, target - len(items))
+                    if pull is not None:
+                        pull(items, burst)
+                    else:
+                        for _ in range(burst):
+                            item = nxt()
+                            if stamps is not None:
+                                stamps.append(s._stamp_now())
+                            append(item)
                     if time.perf_counter() > slice_end:
                         break
             except StopIteration:
@@ -127,7 +152,7 @@ def pull_chunk(s: Stream) -> Chunk | None:
                 # Slow central stages get a look at the clock after every
                 # item, so the lock is never held much past LOCK_SLICE_S.
                 per_item = max(1e-9, (time.perf_counter() - t0) / added)
-                s._burst = max(1, min(PULL_BURST, int(LOCK_SLICE_S / per_item / 4)))
+                s._burst = max(1, min(most, int(LOCK_SLICE_S / per_item / 4)))
             s.next_seq += added
             s.in_flight += added
             s.stats.wait_central_s += time.perf_counter() - t0
@@ -296,16 +321,15 @@ class SegmentDriver(Driver):
                 raise RuntimeError("the run was stopped")
             session.check()
             drain_resends(session)
-            room = s.buffer_size is None or s.in_flight < s.buffer_size
-            room = room and session.held.may_pull(s)
-            if room and not s.exhausted:
+            room = has_room(s) and session.held.may_pull(s)
+            if room:
                 chunk = pull_chunk(s)
                 if chunk is not None:
                     send_chunk(session, s, chunk)
             done, head = _take_head(s)
             if done:
                 return head
-            if room and not s.exhausted:
+            if room:
                 continue  # keep the workers fed before waiting
             with session.wake:
                 if not _head_ready(s) and not session.resend and session.error is None:
@@ -327,12 +351,7 @@ class FeederDriver(Driver):
         self.thread.start()
 
     def _room(self) -> bool:
-        s = self.stream
-        return (
-            not s.exhausted
-            and (s.buffer_size is None or s.in_flight < s.buffer_size)
-            and self.session.held.may_pull(s)
-        )
+        return has_room(self.stream) and self.session.held.may_pull(self.stream)
 
     def _feed(self) -> None:
         s, session = self.stream, self.session

@@ -145,6 +145,27 @@ class CentralNode(BaseNode[T], Generic[T]):
         self.items_out = n + 1
         return item
 
+    def pull_into(self, out: list[T], n: int) -> None:
+        """Append up to ``n`` (>= 1) next items to ``out``: the bulk form of
+        :meth:`next` for whoever pulls many items at once (the chunks of a
+        boundary). Returns after appending at least one item, or raises
+        ``StopIteration`` at the end of the epoch (possibly after appending
+        the last ones). Items appended stay appended whatever is raised after
+        them, and the stage's position is just after them, so pulling in
+        bulk loses nothing and checkpoints stay exact."""
+        before = len(out)
+        start = time.perf_counter()
+        try:
+            self.produce_into(out, n)
+        except StopIteration:
+            raise
+        except Exception as exc:
+            add_stage_note(exc, self.name)
+            raise
+        finally:
+            self.items_out += len(out) - before
+            self.time_s += time.perf_counter() - start
+
     # -- flat state, keyed by stage name (what the Loader checkpoints) --------
 
     def chain(self) -> list[CentralNode[Any]]:
@@ -179,6 +200,14 @@ class CentralNode(BaseNode[T], Generic[T]):
     @abc.abstractmethod
     def produce(self) -> T:
         """The next item, or ``StopIteration`` at the end of the epoch."""
+
+    def produce_into(self, out: list[T], n: int) -> None:
+        """Append up to ``n`` items as :meth:`pull_into` says. By default one
+        :meth:`produce` at a time (without :meth:`next`'s per-item
+        bookkeeping); a stage that can hand out items in bulk overrides it."""
+        append, produce = out.append, self.produce
+        for _ in range(n):
+            append(produce())
 
     def own_state(self) -> dict[str, Any]:
         """This stage's state without its source's (a fresh dict)."""

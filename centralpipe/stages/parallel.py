@@ -61,6 +61,14 @@ class Parallel(CentralNode[Any]):
             raise RuntimeError(f"parallel stage '{self.name}' has no stream attached.")
         return next(self._outputs)
 
+    def produce_into(self, out: list[Any], n: int) -> None:
+        # The rest of the current chunk in one slice; the first output of
+        # each chunk (and every output of a chunk with failures) one by one
+        # through the stream's ordered delivery.
+        if self.stream.take_plain(out, n):
+            return
+        out.append(self.produce())
+
     def out_stamp(self) -> Any:
         """Stamp of the stages before this one as of its last output."""
         if self.stream is None:

@@ -99,6 +99,26 @@ class IterableSource(CentralNode[Any]):
         self._index += 1
         return item
 
+    def produce_into(self, out: list[Any], n: int) -> None:
+        # One C-level loop over the items: ``seq[i]`` per index (any sequence
+        # or dataset, as :meth:`produce`), or the iterator sliced.
+        before = len(out)
+        try:
+            if self._mode == "sequence":
+                seq, i = self._iterable, self._index
+                end = min(len(seq), i + n)
+                if i >= end:
+                    raise StopIteration
+                out.extend(map(seq.__getitem__, range(i, end)))
+            else:
+                assert self._it is not None  # set by restore()
+                out.extend(itertools.islice(self._it, n))
+                if len(out) == before:
+                    raise StopIteration
+        finally:
+            # Only the items handed out count: one that raised was not.
+            self._index += len(out) - before
+
     def own_state(self) -> dict[str, Any]:
         return {INDEX_KEY: self._index}
 

@@ -30,6 +30,10 @@ DEFAULT_BUFFER_BYTES = 256 * 2**20
 START_METHODS = ("fork", "forkserver", "spawn")
 ON_ERROR = ("raise", "skip")
 EXECUTORS = ("process", "thread")
+#: Default shared memory per worker process for large result buffers.
+DEFAULT_SHARED_MEMORY_BYTES = 64 * 2**20
+MIN_SHARED_MEMORY_BYTES = 2**20
+MAX_SHARED_MEMORY_BYTES = 2**40
 #: Spelling of ``buffer_size=None`` (and ``buffer_bytes``) in formats without a null (TOML).
 UNLIMITED = "unlimited"
 
@@ -61,6 +65,21 @@ def _optional(inner: Validator) -> Validator:
 
 def _instance(cls: type) -> Validator:
     return checked(ConfigError, f"a {cls.__name__}", v.instance_of(cls))
+
+
+def _shared_memory_bytes(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """0 (off) or at least ``MIN_SHARED_MEMORY_BYTES``."""
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or not (value == 0 or MIN_SHARED_MEMORY_BYTES <= value <= MAX_SHARED_MEMORY_BYTES)
+    ):
+        msg = (
+            f"`{attribute.name}` must be 0 (no shared memory) or an int in "
+            f"[{MIN_SHARED_MEMORY_BYTES}, {MAX_SHARED_MEMORY_BYTES}] (bytes per worker), "
+            f"got {value!r}."
+        )
+        raise ConfigError(msg)
 
 
 def _unlimited_as_none(value: Any) -> Any:
@@ -105,6 +124,14 @@ class WorkerConfig:
             as Rust/C++ tokenizers, torch ops and decoders, and for
             free-threaded Python). Outputs and checkpoints are the same; a
             hung thread cannot be killed, so it is reported, not retried.
+        shared_memory_bytes: size of each worker process's shared-memory ring
+            (anonymous memory: nothing appears in ``/dev/shm``). Tensor and
+            numpy memory of 16 KiB and more in results is written there and
+            copied out once in the main process, instead of going through the
+            pipe; what does not fit at the moment goes through the pipe. 0
+            sends everything through the pipe; else at least 1 MiB (default
+            64 MiB; memory is only used as results need it). Ignored by the
+            thread executor and where ``os.memfd_create`` is missing.
     """
 
     num_workers: int = attrs.field(default=0, validator=_int(0))
@@ -123,6 +150,9 @@ class WorkerConfig:
     on_error: str = attrs.field(default="raise", validator=_choice(ON_ERROR))
     chunk_size: int | None = attrs.field(default=None, validator=_optional(_int(1)))
     executor: str = attrs.field(default="process", validator=_choice(EXECUTORS))
+    shared_memory_bytes: int = attrs.field(
+        default=DEFAULT_SHARED_MEMORY_BYTES, validator=_shared_memory_bytes
+    )
 
     def resolved_start_method(self) -> str:
         """The start method workers use: the configured one or the default."""

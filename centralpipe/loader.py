@@ -253,7 +253,9 @@ class Loader(Generic[T]):
             if w.executor == "thread":
                 pool = ThreadPool(w.num_workers, spec)
             else:
-                pool = ProcessPool(w.num_workers, spec, w.resolved_start_method())
+                pool = ProcessPool(
+                    w.num_workers, spec, w.resolved_start_method(), w.shared_memory_bytes
+                )
             try:
                 pool.start()
             except BaseException:
@@ -495,6 +497,9 @@ class Loader(Generic[T]):
             "wait_workers_s": s.wait_workers_s,
             "wait_central_s": s.wait_central_s,
         }
+        pool = self._res.pool
+        if isinstance(pool, ProcessPool):
+            out["dispatch"]["transport"] = pool.transport_bytes()
         return out
 
     def worker_states(self) -> list[dict[str, Any]]:

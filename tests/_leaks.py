@@ -1,10 +1,14 @@
-"""Finding child processes and threads that a test left behind.
+"""Finding child processes, threads and ``/dev/shm`` entries that a test left behind.
 
 Processes come from ``psutil`` (which scans every process's parent, so it sees
 children started by any thread). The multiprocessing forkserver and resource
 tracker are long-lived helpers started on first use and kept for the whole
 session, so they are never reported as leaks; the processes the forkserver
 forks for a test are, since they are workers like any other.
+
+``/dev/shm`` is shared by every process of the machine: an entry that appears
+during a test and is gone again within the settle time is someone's short-lived
+segment (torch and multiprocessing unlink theirs at once), not a leak.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from collections.abc import Iterable
 import psutil
 
 HELPER_MARKERS = ("forkserver", "resource_tracker")
+SHM_DIR = "/dev/shm"
 _POLL_INTERVAL_S = 0.05
 _GONE = (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied)
 
@@ -153,3 +158,23 @@ def wait_for_new_threads(before: set[threading.Thread], timeout_s: float) -> lis
         if not leaked or remaining_s <= 0:
             return leaked
         leaked[0].join(timeout=min(remaining_s, _POLL_INTERVAL_S))
+
+
+def shm_entries() -> set[str]:
+    """Names in ``/dev/shm`` (empty where it does not exist)."""
+    try:
+        return set(os.listdir(SHM_DIR))
+    except OSError:
+        return set()
+
+
+def wait_for_new_shm(before: set[str], timeout_s: float) -> set[str]:
+    """Wait up to ``timeout_s`` for ``/dev/shm`` entries not in ``before`` to go.
+
+    Returns the ones still there after the wait (empty when none leaked)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        leaked = shm_entries() - before
+        if not leaked or time.monotonic() >= deadline:
+            return leaked
+        time.sleep(_POLL_INTERVAL_S)

@@ -12,11 +12,15 @@ from tests._leaks import (
     describe,
     kill_processes,
     live_descendants,
+    shm_entries,
     wait_for_new_processes,
+    wait_for_new_shm,
     wait_for_new_threads,
 )
 
 LEAK_WAIT_S = 5.0
+#: How long a new /dev/shm entry may stay after a test before it is a leak.
+SHM_SETTLE_S = 1.0
 
 # File name -> exact bytes. Names sort in this order.
 CORPUS: dict[str, bytes] = {
@@ -28,13 +32,15 @@ CORPUS: dict[str, bytes] = {
 
 @pytest.fixture(autouse=True)
 def no_leaked_children() -> Iterator[None]:
-    """Fail a test that leaves child processes or non-daemon threads running.
+    """Fail a test that leaves child processes or non-daemon threads running,
+    or anything in ``/dev/shm``.
 
     Processes and threads get ``LEAK_WAIT_S`` to finish after the test; leaked
     processes are then killed so the failure does not spill into later tests.
     """
     processes_before = live_descendants()
     threads_before = set(threading.enumerate())
+    shm_before = shm_entries()
     yield
     problems = []
     leaked = wait_for_new_processes(processes_before, LEAK_WAIT_S)
@@ -51,6 +57,9 @@ def no_leaked_children() -> Iterator[None]:
             f"{len(threads)} non-daemon thread(s) still alive {LEAK_WAIT_S:g} s after the "
             f"test: {names}"
         )
+    shm = wait_for_new_shm(shm_before, SHM_SETTLE_S)
+    if shm:
+        problems.append(f"{len(shm)} new entry(ies) in /dev/shm after the test: {sorted(shm)}")
     if problems:
         pytest.fail("\n".join(problems), pytrace=False)
 

@@ -10,6 +10,9 @@ Modules, by role:
 - ``protocol``   messages, chunks, results, worker status slots; the only
   user of ``transport``, so another transport plugs in there.
 - ``transport``  serialisation and framing of one message.
+- ``shm``        each worker process's shared-memory ring for large result
+  buffers (anonymous memory handed over on its pipe; only ring positions
+  travel on the pipe; copied out once, then released).
 - ``chain``      the worker stages run over one chunk (in a worker or inline).
 - ``worker``     the worker loop, for a process or a thread.
 - ``pool``       the executors: worker processes or threads; start, replace,
@@ -70,14 +73,20 @@ results, re-sends, errors and room in a buffer notify):
 - a worker left unread by the byte bound: its ``send`` (a process) or its
   hand-over (a thread, re-checked every 0.1 s), until the consumer catches up;
 - workers: ``recv`` on their pipe (EOF when the main process closes it or
-  dies; a watchdog thread exits a worker whose parent is gone).
+  dies; a watchdog thread exits a worker whose parent is gone). Neither side
+  ever waits on a shared-memory ring: a worker with no room sends the buffer
+  on its pipe; the supervisor's release of ring space never blocks (a full
+  release pipe keeps it for the next ``wait``).
 
 Invariants: every item a stream pulled is delivered or in one of its pending
 chunks (under its lock: both or neither); its ``in_flight`` counts the items
 pulled and not yet retired and stays ``<= buffer_size``; a chunk's
 ``sent_gen`` equals its slot's generation iff that slot's current worker has
 it or is being sent it; a worker's status is written by the worker alone, under a version counter
-(no torn reads); the delivery position of a parallel stage's stream only
+(no torn reads); a worker writes a ring buffer before sending the message that
+names it and reuses ring space only once the supervisor has copied it out and
+released it, and each worker generation gets a fresh ring (no torn or reused
+result, whenever a worker dies); the delivery position of a parallel stage's stream only
 moves in the central thread.
 
 Shutdown escalates (``Run.stop``): mark the run abandoned (flags first, no

@@ -16,6 +16,7 @@ thread stuck in user code is left behind as a daemon thread.
 from __future__ import annotations
 
 import abc
+import mmap
 import multiprocessing as mp
 import os
 import queue
@@ -24,7 +25,7 @@ import types
 from multiprocessing.connection import Connection, wait
 from typing import Any, NamedTuple
 
-from centralpipe.dispatch import protocol
+from centralpipe.dispatch import protocol, shm
 from centralpipe.dispatch.budget import estimate_nbytes
 from centralpipe.dispatch.protocol import (
     MSG_RESULT,
@@ -103,6 +104,9 @@ class Slot:
         #: A send to this worker is in progress: its results are read even
         #: while paused (dispatch.budget), so the send cannot block forever.
         self.sending = False
+        # The worker's shared-memory ring for results (dispatch.shm), one per
+        # worker generation; None without one.
+        self.ring: shm.Ring | None = None
 
     def ready(self) -> bool:
         """The worker got as far as its receive loop."""
@@ -194,10 +198,16 @@ class ProcessPool(Executor):
 
     kind = "process"
 
-    def __init__(self, num_workers: int, spec: WorkerSpec, start_method: str) -> None:
+    def __init__(
+        self, num_workers: int, spec: WorkerSpec, start_method: str, ring_bytes: int = 0
+    ) -> None:
         super().__init__(num_workers, spec)
         self.ctx: Any = mp.get_context(start_method)
         self.start_method = start_method
+        # Each worker's shared-memory ring (0: none; see dispatch.shm), whole pages.
+        page = mmap.PAGESIZE
+        self.ring_bytes = -(-ring_bytes // page) * page if shm.available() else 0
+        self._closed_ring_bytes = [0, 0]  # counters of rings already closed
         self.current_run = self.ctx.RawValue("q", 0)
         # A pipe to ourselves: interrupt() makes wait() return at once.
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
@@ -208,6 +218,7 @@ class ProcessPool(Executor):
     def _parent_fds(self) -> list[int]:
         conns = [c for s in self.slots for c in (s.conn, s.death)]
         fds = [c.fileno() for c in conns if c is not None and not c.closed]
+        fds += [fd for s in self.slots if s.ring is not None for fd in s.ring.fds()]
         if not self._wake_r.closed:
             fds += [self._wake_r.fileno(), self._wake_w.fileno()]
         return fds
@@ -215,23 +226,42 @@ class ProcessPool(Executor):
     def _start(self, slot: Slot) -> None:
         parent, child = self.ctx.Pipe(duplex=True)
         death_r, death_w = self.ctx.Pipe(duplex=False)
+        ring = None
         try:
             for conn in (parent, child):
                 _grow_socket_buffers(conn)
+            if self.ring_bytes:
+                ring = shm.Ring(self.ring_bytes)
             slot.status = self.ctx.RawArray("d", STATUS_LEN)
             close_fds = (
                 [*self._parent_fds(), parent.fileno(), death_w.fileno()]
+                + (ring.fds() if ring is not None else [])
                 if self.start_method == "fork"
                 else []
             )
-            args = (slot.index, child, self.spec, slot.status, self.current_run, close_fds, death_r)
+            args = (
+                slot.index,
+                child,
+                self.spec,
+                slot.status,
+                self.current_run,
+                close_fds,
+                death_r,
+                ring is not None,
+            )
             proc = self.ctx.Process(
                 target=worker_main, args=args, name=f"centralpipe-worker-{slot.index}", daemon=True
             )
             proc.start()
+            # The ring is the first thing on the pipe; a worker already gone
+            # is noticed by its sentinel and replaced like any dead worker.
+            if ring is not None:
+                ring.hand_over(parent)
         except BaseException:
             parent.close()  # a failed start leaks no end of either pipe
             death_w.close()
+            if ring is not None:
+                ring.close()
             raise
         finally:
             child.close()
@@ -239,9 +269,29 @@ class ProcessPool(Executor):
         slot.process = proc
         slot.conn = parent
         slot.death = death_w
+        slot.ring = ring
 
     def set_run(self, run_id: int) -> None:
         self.current_run.value = run_id
+
+    def transport_bytes(self) -> dict[str, int]:
+        """Out-of-band result bytes received through the workers' shared-memory
+        rings and through their pipes, since the pool started."""
+        ring, pipe = self._closed_ring_bytes
+        for slot in self.slots:
+            if slot.ring is not None:
+                ring += slot.ring.ring_bytes
+                pipe += slot.ring.pipe_bytes
+        return {"shared_memory_bytes": ring, "pipe_bytes": pipe}
+
+    def _close_ring(self, slot: Slot) -> None:
+        """Close the slot's ring once its worker is reaped: no later write of
+        that worker can reach the ring of the next one."""
+        if slot.ring is not None:
+            self._closed_ring_bytes[0] += slot.ring.ring_bytes
+            self._closed_ring_bytes[1] += slot.ring.pipe_bytes
+            slot.ring.close()
+            slot.ring = None
 
     def send(self, slot: Slot, message: Encoded) -> bool:
         if slot.conn is None:
@@ -264,6 +314,8 @@ class ProcessPool(Executor):
         self._paused = paused
         waitables: dict[Any, Slot] = {}
         for slot in self.slots:
+            if slot.ring is not None:
+                slot.ring.flush()
             if slot.conn is not None and slot.index not in paused:
                 waitables[slot.conn] = slot
             if slot.process is not None:
@@ -281,7 +333,7 @@ class ProcessPool(Executor):
                 continue
             if isinstance(obj, Connection):
                 try:
-                    events.append(Event(slot, *protocol.recv_counted(obj)))
+                    events.append(Event(slot, *protocol.recv_counted(obj, slot.ring)))
                     continue
                 except (EOFError, OSError):
                     pass
@@ -303,6 +355,7 @@ class ProcessPool(Executor):
         old, slot.process = slot.process, None
         _reap(old)
         _close_death(slot)
+        self._close_ring(slot)
         if slot.conn is not None:
             slot.conn.close()  # at once: one fd per restart must not pile up
             slot.conn = None
@@ -349,6 +402,7 @@ class ProcessPool(Executor):
                 _reap(slot.process, graceful=True)
                 slot.process = None
             _close_death(slot)
+            self._close_ring(slot)
         self._wake_r.close()
         self._wake_w.close()
 

@@ -37,6 +37,7 @@ from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
 from centralpipe.dispatch import transport
+from centralpipe.dispatch.shm import Ring, RingWriter
 
 __all__ = [
     "MSG_CHUNK",
@@ -237,20 +238,20 @@ def send_encoded(conn: Connection, message: Encoded) -> None:
     transport.write(conn, transport.Message(message.head, message.buffers))
 
 
-def send(conn: Connection, obj: Any) -> None:
-    """Encode and write one message."""
-    transport.send(conn, obj)
+def send(conn: Connection, obj: Any, ring: RingWriter | None = None) -> None:
+    """Encode and write one message (large buffers into ``ring`` if given)."""
+    transport.send(conn, obj, ring)
 
 
-def recv(conn: Connection) -> Any:
-    """Read one message written by :func:`send` / :func:`send_encoded`."""
-    return transport.recv(conn)
+def recv(conn: Connection, ring: Ring | None = None) -> Any:
+    """Read one message written by :func:`send` / :func:`send_encoded`
+    (``ring``: the sender's shared-memory ring, see :mod:`~centralpipe.dispatch.shm`)."""
+    return transport.recv(conn, ring)
 
 
-def recv_counted(conn: Connection) -> tuple[Any, int]:
-    """:func:`recv`, and the bytes the message holds in this process (see
-    :mod:`centralpipe.dispatch.budget`)."""
-    return transport.recv_counted(conn)
+def recv_counted(conn: Connection, ring: Ring | None = None) -> tuple[Any, int]:
+    """:func:`recv`, and the bytes the message takes in this process."""
+    return transport.recv_counted(conn, ring)
 
 
 def chunk_message(

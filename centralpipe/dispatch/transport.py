@@ -15,9 +15,13 @@ message's tensors and arrays use of it. So
   read-only numpy arrays stay read-only;
 - large regions (and protocol-5 ``PickleBuffer``\\ s of other libraries) travel
   out of band: :func:`dumps` returns them as separate buffers (memoryviews of
-  the original memory, no copy), which :func:`send` writes with
-  ``Connection.send_bytes`` and :func:`recv` reads into fresh ``bytearray``\\ s
-  that become the memory of the received tensors and arrays.
+  the original memory, no copy). :func:`write` given the sender's
+  shared-memory ring (:mod:`centralpipe.dispatch.shm`: a worker's results)
+  copies those of 16 KiB and more into it and puts only their ring positions
+  in the header; the others it writes with ``Connection.send_bytes``.
+  :func:`recv` copies ring buffers out once (then releases them) and reads
+  the others into fresh ``bytearray``\\ s; either becomes the memory of the
+  received tensors and arrays.
 
 Anything else pickles as ``pickle`` does; ``memoryview`` (which ``pickle``
 refuses) arrives as a ``memoryview`` of the same format, shape and
@@ -40,6 +44,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
+
+from centralpipe.dispatch.shm import RING_ALIGN, Ring, RingWriter
 
 try:
     import numpy as np
@@ -64,9 +70,12 @@ INBAND_MAX_BYTES = 16 * 1024
 #: Regions start on this boundary, so every dtype's offsets stay whole elements.
 _ALIGN = 64
 # header: meta length (u32), out-of-band buffer count (u32); then per buffer
-# its size (u64) and read-only flag (u8); then the meta pickle, then the body.
+# its size (u64), read-only flag (u8) and ring position (i64; -1: the bytes
+# follow on the pipe); then the meta pickle, then the body.
 _HEAD = struct.Struct("<II")
-_BUF = struct.Struct("<QB")
+_BUF = struct.Struct("<QBq")
+_POS_AT = 9  # offset of the ring position in a _BUF entry
+_I64 = struct.Struct("<q")
 _THIS = __name__
 
 
@@ -384,7 +393,7 @@ def dumps(obj: Any) -> Message:
             buffers.extend(inner.buffers)
             flags.extend([False] * len(inner.buffers))
         meta = pickle.dumps((table, sealed), protocol=5)
-    sizes = b"".join(_BUF.pack(b.nbytes, ro) for b, ro in zip(buffers, flags))
+    sizes = b"".join(_BUF.pack(b.nbytes, ro, -1) for b, ro in zip(buffers, flags))
     head = _HEAD.pack(len(meta), len(buffers)) + sizes + meta + body
     return Message(head, buffers)
 
@@ -399,21 +408,21 @@ def _bytes(data: Any) -> bytes:
     return _view(data).tobytes()
 
 
-def _parse(head: Any) -> tuple[memoryview, list[tuple[int, bool]], int]:
+def _parse(head: Any) -> tuple[memoryview, list[tuple[int, bool, int]], int]:
     view = memoryview(head)
     _, count = _HEAD.unpack_from(view, 0)
     pos = _HEAD.size
     sizes = []
     for _ in range(count):
-        size, ro = _BUF.unpack_from(view, pos)
-        sizes.append((size, bool(ro)))
+        size, ro, where = _BUF.unpack_from(view, pos)
+        sizes.append((size, bool(ro), where))
         pos += _BUF.size
     return view, sizes, pos
 
 
 def buffer_sizes(head: Any) -> list[int]:
     """Sizes of the out-of-band buffers that follow ``head``."""
-    return [size for size, _ in _parse(head)[1]]
+    return [size for size, _, _ in _parse(head)[1]]
 
 
 def loads(head: Any, buffers: Sequence[Any]) -> Any:
@@ -440,7 +449,7 @@ def loads(head: Any, buffers: Sequence[Any]) -> Any:
             k += n
     oob = [
         memoryview(b).toreadonly() if ro else b
-        for b, (_, ro) in zip(buffers[:n_pickle], sizes[:n_pickle])
+        for b, (_, ro, _) in zip(buffers[:n_pickle], sizes[:n_pickle])
     ]
     body = io.BytesIO(view[pos + meta_len :])
     return _Unpickler(body, oob, regions, sealed).load()
@@ -452,37 +461,70 @@ def copy(obj: Any) -> Any:
     return loads(msg.head, [bytearray(b) for b in msg.buffers])
 
 
-def write(conn: Connection, msg: Message) -> None:
-    """Send a message built by :func:`dumps`."""
-    conn.send_bytes(msg.head)
-    for buf in msg.buffers:
+def write(conn: Connection, msg: Message, ring: RingWriter | None = None) -> None:
+    """Send a message built by :func:`dumps`; with a ``ring``, large buffers
+    are written into it and only their ring positions go on the pipe."""
+    head: Any = msg.head
+    on_pipe = msg.buffers
+    if ring is not None and msg.buffers:
+        on_pipe = []
+        patched = None
+        at = _HEAD.size + _POS_AT
+        for buf in msg.buffers:
+            where = ring.place(buf)
+            if where < 0:
+                on_pipe.append(buf)
+            else:
+                if patched is None:
+                    patched = bytearray(head)
+                _I64.pack_into(patched, at, where)
+            at += _BUF.size
+        if patched is not None:
+            head = patched
+    conn.send_bytes(head)
+    for buf in on_pipe:
         conn.send_bytes(buf)
 
 
-def send(conn: Connection, obj: Any) -> None:
+def send(conn: Connection, obj: Any, ring: RingWriter | None = None) -> None:
     """Send one message: the header, then each out-of-band buffer."""
-    write(conn, dumps(obj))
+    write(conn, dumps(obj), ring)
 
 
-def recv(conn: Connection) -> Any:
-    """Receive one message sent by :func:`send`.
+def recv(conn: Connection, ring: Ring | None = None) -> Any:
+    """Receive one message sent by :func:`send` (with ``ring``: the main
+    process's side of the sender's ring).
 
-    Every byte of the message is read before anything is unpickled, so an
-    object that fails to unpickle (raised as is) leaves the pipe in step."""
-    return recv_counted(conn)[0]
+    Every byte of the message is read (and copied out of the ring, which is
+    then released) before anything is unpickled, so an object that fails to
+    unpickle (raised as is) leaves the pipe and the ring in step."""
+    return recv_counted(conn, ring)[0]
 
 
-def recv_counted(conn: Connection) -> tuple[Any, int]:
-    """:func:`recv`, and the bytes the message took (header and buffers)."""
+def recv_counted(conn: Connection, ring: Ring | None = None) -> tuple[Any, int]:
+    """:func:`recv`, and the bytes the message takes in this process (header
+    and buffers, from the ring or the pipe)."""
     head = conn.recv_bytes()
     buffers = []
     nbytes = len(head)
-    for size in buffer_sizes(head):
+    end = -1
+    for size, _, where in _parse(head)[1]:
+        nbytes += size
+        if where >= 0:
+            if ring is None:
+                raise EOFError("a message refers to a shared-memory ring this pipe does not have")
+            buffers.append(ring.take(where, size))
+            end = where + size + (-size % RING_ALIGN)
+            continue
         buf = bytearray(size)
         if size:
             conn.recv_bytes_into(buf)
         else:
             conn.recv_bytes()
         buffers.append(buf)
-        nbytes += size
+        if ring is not None:
+            ring.pipe_bytes += size
+    if end >= 0:
+        assert ring is not None
+        ring.release(end)
     return loads(head, buffers), nbytes

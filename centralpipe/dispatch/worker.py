@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from centralpipe.dispatch import protocol
+from centralpipe.dispatch import protocol, shm
 from centralpipe.dispatch.chain import WorkerChain
 from centralpipe.dispatch.protocol import (
     MSG_CHUNK,
@@ -39,6 +39,7 @@ from centralpipe.dispatch.protocol import (
     ChunkResult,
     StageFailure,
 )
+from centralpipe.dispatch.shm import RingWriter
 
 __all__ = ["WorkerSpec", "serve", "worker_main"]
 #: How often a worker checks that the main process is still alive.
@@ -146,6 +147,7 @@ def worker_main(
     current_run: Any,
     close_fds: list[int],
     death: Connection | None = None,
+    with_ring: bool = False,
 ) -> None:
     """Entry point of a worker process (``multiprocessing.Process`` target)."""
     # Ctrl-C goes to the whole process group; the main process decides.
@@ -165,13 +167,19 @@ def worker_main(
     except Exception:  # pragma: no cover - torch missing threads support
         pass
     threading.Thread(target=_watchdog, args=(spec.main_pid, parent_pid), daemon=True).start()
+    ring = None
+    if with_ring:  # the first thing on the pipe (see dispatch.shm)
+        try:
+            ring = shm.receive_ring(conn)
+        except (EOFError, OSError):
+            os._exit(0)
 
     def send_result(run_id: int, stream: int, cid: int, result: ChunkResult, per: bool) -> bool:
-        return _send_result(conn, run_id, stream, cid, result, per, spec.chains[stream])
+        return _send_result(conn, run_id, stream, cid, result, per, spec.chains[stream], ring)
 
     def send_states(states: dict[str, Any]) -> bool:
         try:
-            protocol.send(conn, (MSG_STATES, states))
+            protocol.send(conn, (MSG_STATES, states), ring)
             return True
         except (OSError, EOFError):
             return False
@@ -223,6 +231,7 @@ def _send_result(
     result: ChunkResult,
     per_item: bool,
     chain: WorkerChain,
+    ring: RingWriter | None = None,
 ) -> bool:
     """Send a result; outputs that cannot be pickled become failures of the
     last worker stage. False when the main process is gone."""
@@ -231,7 +240,7 @@ def _send_result(
     else:
         sealed = protocol.seal_outputs(result, per_item)
     try:
-        protocol.send(conn, (MSG_RESULT, run_id, stream, cid, sealed))
+        protocol.send(conn, (MSG_RESULT, run_id, stream, cid, sealed), ring)
         return True
     except (OSError, EOFError):
         return False
@@ -239,7 +248,7 @@ def _send_result(
         pass
     result = protocol.seal_outputs(_drop_unpicklable(result, chain), per_item)
     try:
-        protocol.send(conn, (MSG_RESULT, run_id, stream, cid, result))
+        protocol.send(conn, (MSG_RESULT, run_id, stream, cid, result), ring)
         return True
     except (OSError, EOFError):
         return False

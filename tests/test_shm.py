@@ -1,0 +1,296 @@
+"""The shared-memory rings that carry large results (``dispatch.shm``).
+
+Exact outputs through the rings for every start method; a worker that dies
+halfway through a ring write yields no torn result; rings stay one per
+worker across many restarts; nothing in ``/dev/shm`` after close or a
+SIGKILL of the main process (the leak fixture checks ``/dev/shm`` after
+every test); the ring protocol's own bounds; ``shared_memory_bytes``
+validation.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+import centralpipe as cp
+from centralpipe.dispatch import shm
+from tests import ring_faults
+from tests._leaks import shm_entries, wait_for_new_shm
+
+ROOT = Path(__file__).parent.parent
+pytestmark = pytest.mark.skipif(not shm.available(), reason="no os.memfd_create here")
+
+
+def _config(start_method: str = "fork", **kw: Any) -> cp.LoaderConfig:
+    workers = cp.WorkerConfig(num_workers=2, start_method=start_method, **kw)
+    return cp.LoaderConfig(workers=workers)
+
+
+def _ring_maps() -> int:
+    """Mappings of centralpipe rings in this process."""
+    with open("/proc/self/maps") as f:
+        return sum("centralpipe-ring" in line for line in f)
+
+
+def _transport(loader: cp.Loader[Any]) -> dict[str, int]:
+    out: dict[str, int] = loader.metrics()["dispatch"]["transport"]
+    return out
+
+
+@pytest.mark.parametrize("start_method", ["fork", "forkserver", "spawn"])
+def test_results_cross_the_ring_exactly(start_method: str) -> None:
+    """1 KiB to 4 MiB tensors arrive exact through the rings, for every start method."""
+    n = 24 if start_method == "spawn" else 60
+    pipe = cp.Pipeline.from_iterable(range(n)).dispatch().map(ring_faults.sized)
+    with cp.Loader(pipe, _config(start_method)) as loader:
+        out = list(loader)
+        moved = _transport(loader)
+    assert [t.numel() for t in out] == [ring_faults.sized(i).numel() for i in range(n)]
+    for i, t in enumerate(out):
+        assert torch.equal(t, ring_faults.sized(i)), i
+    assert moved["shared_memory_bytes"] > 0
+
+
+def test_sharing_and_numpy_kept_through_the_ring() -> None:
+    """A view arrives sharing its base's memory; numpy arrays stay numpy."""
+    fn = functools.partial(ring_faults.kill_each_and_tensor, every=10**9, marker_dir="/")
+    pipe = cp.Pipeline.from_iterable(range(1, 30)).dispatch().map(fn)
+    with cp.Loader(pipe, _config()) as loader:
+        out = list(loader)
+        assert _transport(loader)["shared_memory_bytes"] > 0
+    for i, d in enumerate(out, 1):
+        assert torch.equal(d["t"], torch.full((16384,), float(i)))
+        assert d["view"].untyped_storage().data_ptr() == d["t"].untyped_storage().data_ptr()
+        d["t"][0] = -1.0
+        assert float(d["view"][0]) == -1.0
+        assert isinstance(d["a"], np.ndarray) and np.array_equal(d["a"], np.full(8192, i))
+
+
+def test_zero_turns_the_ring_off() -> None:
+    """``shared_memory_bytes=0``: same outputs, every buffer through the pipe."""
+    pipe = cp.Pipeline.from_iterable(range(40)).dispatch().map(ring_faults.tensor_of)
+    with cp.Loader(pipe, _config(shared_memory_bytes=0)) as loader:
+        out = list(loader)
+        assert "transport" not in loader.metrics()["dispatch"] or (
+            _transport(loader)["shared_memory_bytes"] == 0
+        )
+        assert _ring_maps() == 0
+    assert all(torch.equal(t, ring_faults.tensor_of(i)) for i, t in enumerate(out))
+
+
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_worker_killed_mid_write_yields_no_torn_result(tmp_path: Path, start_method: str) -> None:
+    """A worker SIGKILLed halfway through writing a result into its ring: the
+    chunk is redone by its replacement; every output is exact, none torn."""
+    marker = str(tmp_path / "m")
+    fn = functools.partial(ring_faults.tear_once, at=37, marker=marker)
+    pipe = cp.Pipeline.from_iterable(range(120)).dispatch().map(fn)
+    with cp.Loader(pipe, _config(start_method, chunk_size=8)) as loader:
+        out = list(loader)
+        restarts = loader.metrics()["dispatch"]["restarts"]
+    assert int(Path(marker + ".torn").read_text()) >= 0, "the torn write did not happen"
+    assert restarts == 1
+    assert len(out) == 120
+    for i, t in enumerate(out):
+        assert torch.equal(t, ring_faults.tensor_of(i)), f"item {i} is torn"
+
+
+def _open_fds_after_epoch(fn: Any, config: cp.LoaderConfig) -> tuple[int, int, list[Any]]:
+    """(restarts, descriptors open, outputs) at the end of one epoch of ``fn``."""
+    pipe = cp.Pipeline.from_iterable(range(1, 301)).dispatch().map(fn)
+    with cp.Loader(pipe, config) as loader:
+        out = list(loader)
+        assert _ring_maps() == 2
+        assert _transport(loader)["shared_memory_bytes"] > 0
+        return loader.metrics()["dispatch"]["restarts"], len(os.listdir("/proc/self/fd")), out
+
+
+def test_rings_stay_one_per_worker_across_restarts(tmp_path: Path) -> None:
+    """Twelve worker kills: the rings in use stay one per worker, the old ones
+    are unmapped, no descriptor piles up, and every output is exact."""
+    config = _config(max_restarts=20, chunk_size=5)
+    calm = functools.partial(ring_faults.kill_each_and_tensor, every=10**9, marker_dir="/")
+    _, fds_calm, _ = _open_fds_after_epoch(calm, config)
+    fn = functools.partial(ring_faults.kill_each_and_tensor, every=25, marker_dir=str(tmp_path))
+    restarts, fds_killed, out = _open_fds_after_epoch(fn, config)
+    assert restarts == 12
+    assert fds_killed == fds_calm
+    assert _ring_maps() == 0
+    for i, d in enumerate(out, 1):
+        assert torch.equal(d["t"], torch.full((16384,), float(i)))
+        assert np.array_equal(d["a"], np.full(8192, i))
+
+
+def test_nothing_in_dev_shm_after_the_main_process_is_killed() -> None:
+    """SIGKILL of the main process mid-epoch: its workers exit, and nothing is
+    left in /dev/shm (the rings have no name)."""
+    before = shm_entries()
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.ring_main", "forkserver"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    *pids, moved = (int(x) for x in proc.stdout.split())
+    assert len(pids) == 2 and moved > 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+        alive = [p for p in pids if psutil.pid_exists(p)]
+        if all(psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in alive):
+            break
+        time.sleep(0.05)
+    assert not wait_for_new_shm(before, 1.0)
+
+
+# -- the ring protocol itself -----------------------------------------------------
+
+
+def _pair(capacity: int = 2**20) -> tuple[shm.Ring, shm.RingWriter]:
+    """A ring and a writer on it in this process (as a worker would get it)."""
+    import multiprocessing
+
+    ring = shm.Ring(capacity)
+    a, b = multiprocessing.Pipe(duplex=True)
+    try:
+        assert ring.hand_over(a)
+        writer = shm.receive_ring(b)
+    finally:
+        a.close()
+        b.close()
+    return ring, writer
+
+
+def test_writer_never_overwrites_what_is_not_released() -> None:
+    """The writer refuses (-1: use the pipe) until the reader releases; then it
+    reuses the ring, and every copy out is the bytes written."""
+    ring, writer = _pair()
+    block = 256 * 1024
+    try:
+        placed = []
+        for k in range(4):
+            data = memoryview(bytes([k]) * block)
+            placed.append((writer.place(data), k))
+        assert [p for p, _ in placed] == [0, block, 2 * block, 3 * block]
+        assert writer.place(memoryview(b"x" * block)) == -1  # full: nothing released
+        for pos, k in placed[:2]:
+            assert bytes(ring.take(pos, block)) == bytes([k]) * block
+        ring.release(2 * block)
+        assert writer.place(memoryview(b"\x07" * block)) == 4 * block  # wraps to offset 0
+        assert bytes(ring.take(4 * block, block)) == b"\x07" * block
+        assert writer.place(memoryview(b"s" * 1024)) == -1  # small buffers use the pipe
+        assert writer.place(memoryview(b"L" * (2**20 + 64))) == -1  # larger than the ring
+    finally:
+        ring.close()
+
+
+def test_reader_refuses_positions_outside_the_written_part() -> None:
+    """A position the worker cannot have written (released, or beyond the
+    ring) is an EOFError, as for a dead worker, never a read."""
+    ring, _ = _pair()
+    try:
+        ring.release(4096)
+        with pytest.raises(EOFError):
+            ring.take(0, 64)  # already released
+        with pytest.raises(EOFError):
+            ring.take(4096, 2**20 + 1)  # longer than the ring
+        with pytest.raises(EOFError):
+            ring.take(2**20 - 64, 128)  # would wrap
+    finally:
+        ring.close()
+    with pytest.raises(EOFError):
+        ring.take(4096, 64)  # closed
+
+
+def test_a_release_the_full_pipe_refused_is_written_later() -> None:
+    """When the release pipe is full the latest position is kept and written
+    by ``flush``; the writer then sees it."""
+    import fcntl
+
+    ring, writer = _pair()
+    try:
+        assert ring._release_w is not None
+        fcntl.fcntl(ring._release_w, fcntl.F_SETPIPE_SZ, 4096)
+        end = 0
+        while ring._unsent is None:
+            end += 64
+            ring.release(end)
+        writer._drain()
+        assert writer.released < end
+        ring.flush()
+        writer._drain()
+        assert writer.released == end and ring._unsent is None
+    finally:
+        ring.close()
+
+
+def test_hand_over_to_a_closed_pipe_is_reported() -> None:
+    """Handing a ring to a worker that is gone returns False and closes our copies."""
+    import multiprocessing
+
+    ring = shm.Ring(2**20)
+    a, b = multiprocessing.Pipe(duplex=True)
+    b.close()
+    try:
+        assert ring.hand_over(a) is False
+        assert len(ring.fds()) == 1  # only the release pipe's write end is left
+    finally:
+        a.close()
+        ring.close()
+    assert ring.fds() == []
+
+
+def test_receive_ring_refuses_a_pipe_without_a_ring() -> None:
+    """A worker whose pipe starts with anything but a ring hand-over stops
+    with EOFError (no descriptors leak)."""
+    import multiprocessing
+
+    a, b = multiprocessing.Pipe(duplex=True)
+    try:
+        a.send_bytes(b"0123456789abcdef")
+        with pytest.raises(EOFError):
+            shm.receive_ring(b)
+        a.close()
+        with pytest.raises(EOFError):
+            shm.receive_ring(b)
+    finally:
+        a.close()
+        b.close()
+
+
+# -- configuration ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value",
+    [-1, 1, 2**20 - 1, 2**40 + 1, True, 1.5, "64M", None],
+    ids=["negative", "one", "below-min", "above-max", "bool", "float", "str", "none"],
+)
+def test_shared_memory_bytes_is_validated(value: Any) -> None:
+    """A bad ``shared_memory_bytes`` is a ConfigError naming the field and the range."""
+    with pytest.raises(cp.ConfigError, match="`shared_memory_bytes` must be 0") as info:
+        cp.WorkerConfig(shared_memory_bytes=value)
+    assert repr(value) in str(info.value)
+
+
+def test_shared_memory_bytes_round_trips_through_a_dict() -> None:
+    """The field is part of ``to_dict``/``from_dict`` like any other."""
+    config = cp.LoaderConfig(workers=cp.WorkerConfig(shared_memory_bytes=0))
+    data = config.to_dict()
+    assert data["workers"]["shared_memory_bytes"] == 0
+    assert cp.LoaderConfig.from_dict(data) == config
+    with pytest.raises(cp.ConfigError, match="shared_memory_bytes"):
+        cp.LoaderConfig.from_dict({"workers": {"shared_memory_bytes": -5}})

@@ -42,8 +42,10 @@ from __future__ import annotations
 
 import mmap
 import os
+import select
 import socket
 import struct
+import time
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -51,7 +53,9 @@ import numpy as np
 
 __all__ = [
     "MIN_RING_BUFFER_BYTES",
+    "RELEASE_EVERY_BYTES",
     "RING_ALIGN",
+    "ROOM_WAIT_S",
     "Ring",
     "RingWriter",
     "available",
@@ -63,6 +67,12 @@ __all__ = [
 MIN_RING_BUFFER_BYTES = 16 * 1024
 #: Buffers start on this boundary in the ring.
 RING_ALIGN = 64
+#: Within a message, the main process releases what it has copied out at
+#: least every this many bytes (and at the message's end).
+RELEASE_EVERY_BYTES = 2**20
+#: How long a worker waits for room in its ring while the main process is
+#: copying out earlier results, before it sends a buffer on the pipe instead.
+ROOM_WAIT_S = 0.05
 # The hand-over message (its fds ride along): magic, ring capacity.
 _HANDOVER = struct.Struct("<QQ")
 _MAGIC = 0x63705F72696E6731  # "cp_ring1"
@@ -241,14 +251,29 @@ class RingWriter:
             return -1
         start = self._fit(n)
         if start < 0:
-            self._drain()
-            start = self._fit(n)
+            start = self._wait_room(n)
             if start < 0:
                 return -1
         off = start % self.capacity
         self._view[off : off + n] = buf
         self.head = start + n + (-n % RING_ALIGN)
         return start
+
+    def _wait_room(self, n: int) -> int:
+        """Where ``n`` bytes fit once the main process has released enough,
+        waiting at most ``ROOM_WAIT_S`` while earlier results are being
+        copied out; -1 if they do not fit by then."""
+        deadline = time.monotonic() + ROOM_WAIT_S
+        while True:
+            self._drain()
+            start = self._fit(n)
+            left = deadline - time.monotonic()
+            if start >= 0 or left <= 0 or self.released >= self.head:
+                return start  # (nothing in flight: waiting cannot make room)
+            try:
+                select.select([self._release], [], [], left)
+            except (OSError, ValueError):  # pragma: no cover - closed meanwhile
+                return -1
 
     def _fit(self, n: int) -> int:
         start = self.head

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from centralpipe.dispatch.shm import RING_ALIGN, Ring, RingWriter
+from centralpipe.dispatch.shm import RELEASE_EVERY_BYTES, RING_ALIGN, Ring, RingWriter
 
 try:
     import numpy as np
@@ -515,6 +515,8 @@ def recv_counted(conn: Connection, ring: Ring | None = None) -> tuple[Any, int]:
                 raise EOFError("a message refers to a shared-memory ring this pipe does not have")
             buffers.append(ring.take(where, size))
             end = where + size + (-size % RING_ALIGN)
+            if end - ring.released >= RELEASE_EVERY_BYTES:
+                ring.release(end)  # the worker may be waiting for room
             continue
         buf = bytearray(size)
         if size:

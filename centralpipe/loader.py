@@ -9,20 +9,19 @@ processes are started by the first pass and kept across epochs.
 from __future__ import annotations
 
 import pickle
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
-from centralpipe import checkpoint
-from centralpipe.checkpoint import FORMAT_VERSION
+from centralpipe import checkpoint, resume
 from centralpipe.config import LoaderConfig
-from centralpipe.dispatch.boundary import Policy, Run, StreamPlan, empty_segment_entry
+from centralpipe.dispatch.boundary import Policy, Run, StreamPlan, idle_worker_states
 from centralpipe.dispatch.chain import WorkerChain
+from centralpipe.dispatch.guard import hold
 from centralpipe.dispatch.pinning import Pinner, make_pinner
 from centralpipe.dispatch.pool import Executor, ProcessPool, ThreadPool, warm_up
-from centralpipe.dispatch.protocol import InFlight
 from centralpipe.dispatch.reorder import StreamStats
-from centralpipe.dispatch.supervisor import Session
 from centralpipe.dispatch.worker import WorkerSpec
 from centralpipe.errors import PipelineError
 from centralpipe.launchers import warn_if_duplicating
@@ -32,7 +31,6 @@ from centralpipe.stages import (
     Count,
     Parallel,
     RunContext,
-    Shard,
     all_nodes,
     build_central,
 )
@@ -52,11 +50,16 @@ class _Resources:
         self.run: Run | None = None
         self.pinner: Pinner | None = None
         self.nodes: list[CentralNode[Any]] = []
+        #: Held across every central ``next()`` (see dispatch.guard).
+        self.chain_lock = threading.Lock()
 
     def end_run(self) -> None:
-        run, self.run = self.run, None
+        """Stop the current run (bounded). It stays registered until it has
+        stopped, so an interrupted stop is finished by the next call."""
+        run = self.run
         if run is not None:
             run.stop()
+            self.run = None
 
     def close(self) -> None:
         # Each step runs even if an earlier one fails (e.g. Ctrl-C mid-drain).
@@ -70,8 +73,13 @@ class _Resources:
             finally:
                 if self.pinner is not None:
                     self.pinner.close()
-                if self.nodes:
-                    self.nodes[-1].release()
+                # Files are closed unless a stopped run's thread is still
+                # inside a central next(): then they close with the nodes.
+                if self.nodes and self.chain_lock.acquire(blocking=False):
+                    try:
+                        self.nodes[-1].release()
+                    finally:
+                        self.chain_lock.release()
 
 
 class Loader(Generic[T]):
@@ -116,6 +124,8 @@ class Loader(Generic[T]):
             n.name: StreamStats(config.workers.num_workers) for n in self._segments
         }
         self._resume: dict[str, Any] | None = None
+        #: The pending checkpoint's central states are not loaded yet.
+        self._reload = False
         self._run_ids = 0
         self._iters = 0
         self._res = _Resources()
@@ -168,35 +178,51 @@ class Loader(Generic[T]):
         yield from run.outputs()
 
     def _start_run(self) -> Run:
-        """Start the pending resume or the next epoch. The epoch counter and
-        the pending checkpoint change only once the run has started: after an
-        error or Ctrl-C while starting (workers, files), ``state_dict()``
-        still resumes the epoch that was being started."""
-        self._res.end_run()
-        resume = self._resume
-        if resume is not None and not resume["finished"]:
-            plans = {name: _plan(flight) for name, flight in resume["in_flight"].items()}
-            plans[self._boundary].delivered_stamp = _tuplify(resume.get("delivered_stamp"))
-            try:
-                delivered = int((resume.get("position") or {}).get("delivered") or 0)
-                run = self._make_run(epoch=self.epoch, plans=plans, delivered=delivered)
-            except BaseException:
-                # The central stages stay at the checkpoint's position.
-                self._nodes[-1].load_flat(dict(resume["central"]))
-                raise
-        else:
-            epoch = self.epoch + 1
-            self._ctx.epoch = epoch
-            try:
-                self._nodes[-1].load_flat(None)
-                run = self._make_run(epoch=epoch, plans={})
-            except BaseException:
-                self._ctx.epoch = self.epoch
-                raise
-            self.epoch = epoch
+        """Start the pending resume or the next epoch.
+
+        The run is built (no thread yet) under the chain lock, registered, and
+        only then started: an error or Ctrl-C at any point of the start leaves
+        no thread that ``close()`` cannot stop, and stops the run before the
+        central stages go back to where they were. The epoch counter and the
+        pending checkpoint are restored then, so ``state_dict()`` still
+        resumes the pass that was being started."""
+        res = self._res
+        res.end_run()
+        pending, epoch_before = self._resume, self.epoch
+        with hold(res.chain_lock, "starting a pass", self._nodes):
+            if pending is not None and self._reload:
+                self._nodes[-1].load_flat(dict(pending["central"]))
+                self._reload = False
+            if pending is not None and not pending["finished"]:
+                epoch = self.epoch
+                run = self._make_run(
+                    epoch=epoch,
+                    plans=resume.plans(pending, self._boundary),
+                    delivered=resume.delivered(pending),
+                )
+            else:
+                epoch = self.epoch + 1
+                self._ctx.epoch = epoch
+                try:
+                    self._nodes[-1].load_flat(None)
+                    run = self._make_run(epoch=epoch, plans={})
+                except BaseException:
+                    self._ctx.epoch = epoch_before
+                    raise
+        try:
+            res.run = run
+            self.epoch, self._resume = epoch, None
+            run.start()
+        except BaseException:
+            res.end_run()
+            self.epoch, self._resume, self._ctx.epoch = epoch_before, pending, epoch_before
+            if pending is not None:
+                # The central stages go back to the checkpoint's position.
+                with hold(res.chain_lock, "restoring after a failed start", self._nodes):
+                    self._nodes[-1].load_flat(dict(pending["central"]))
+            raise
+        if pending is None or pending["finished"]:
             self._stats.epoch_restarts = 0
-        self._resume = None
-        self._res.run = run
         return run
 
     def _set_next_epoch(self, epoch: int) -> None:
@@ -241,6 +267,7 @@ class Loader(Generic[T]):
             run_id=self._run_ids,
             delivered=delivered,
             pinner=self._res.pinner,
+            chain_lock=self._res.chain_lock,
         )
 
     def _ensure_pool(self) -> Executor:
@@ -309,55 +336,34 @@ class Loader(Generic[T]):
         """The position after the last item delivered; builtins and tensors only.
 
         Call it from the thread that iterates. It never iterates the pipeline
-        and never asks a worker anything."""
+        and never asks a worker anything. It waits for a central ``next()`` in
+        progress (the feeder's), at most ``CENTRAL_WAIT_S`` (60 s), then raises
+        ``TimeoutError`` naming the stage: never an inexact state."""
         self._check_open()
+        return self._state("state_dict()")
+
+    def _state(self, what: str) -> dict[str, Any]:
         if self._resume is not None:
-            return _copy_state(self._resume)
+            return resume.copy_state(self._resume)
         run = self._res.run
         if run is not None:
-            body = run.capture()
+            body = run.capture(what)
+            epoch = run.stream.epoch
         else:
-            body = {
-                "segments": {n.name: empty_segment_entry() for n in self._segments},
-                "central": {node.name: node.own_state() for node in self._nodes},
-                "next_seq": 0,
-                "in_flight": {
-                    "first_seq": 0,
-                    "items": [],
-                    "stamps": None,
-                    "skip_outputs": 0,
-                    "skip": [],
-                },
-                "delivered_stamp": None,
-                "finished": True,
-                "delivered": 0,
-            }
+            with hold(self._res.chain_lock, what, self._nodes):
+                body = resume.idle_body([n.name for n in self._segments], self._nodes)
+            epoch = self.epoch
         dist = self._config.distributed
-        stamp = body["delivered_stamp"]
-        return {
-            "format_version": FORMAT_VERSION,
-            "fingerprint": self._pipe.fingerprint(),
-            "seed": self._config.seed,
-            "epoch": self.epoch,
-            "finished": body["finished"],
-            # "merged" is always present, so a state_dict() used as the template
-            # of torch.distributed.checkpoint's load receives a global state's flag.
-            "distributed": {"rank": dist.rank, "world_size": dist.world_size, "merged": False},
-            "central": body["central"],
-            "in_flight": {
-                **body["segments"],
-                self._boundary: {
-                    "next_seq": body["next_seq"],
-                    **body["in_flight"],
-                    "delivered_stamp": None,  # the top-level one
-                },
-            },
-            "delivered_stamp": stamp,
-            "position": {
-                "pre_shard_index": self._pre_shard_index(stamp),
-                "delivered": body["delivered"],
-            },
-        }
+        return resume.assemble(
+            body,
+            fingerprint=self._pipe.fingerprint(),
+            seed=self._config.seed,
+            epoch=epoch,
+            rank=dist.rank,
+            world_size=dist.world_size,
+            boundary=self._boundary,
+            stamped=self._stamped,
+        )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume at the checkpoint's position at the next ``iter()``.
@@ -366,20 +372,32 @@ class Loader(Generic[T]):
         (:mod:`centralpipe.checkpoint`) and against this pipeline: a damaged
         checkpoint or one of another pipeline raises ``CheckpointError`` naming
         the key and leaves the loader exactly as it was (a live iterator keeps
-        going, an earlier loaded checkpoint stays pending)."""
+        going, an earlier loaded checkpoint stays pending). Like
+        ``state_dict()`` it waits at most ``CENTRAL_WAIT_S`` for a central
+        ``next()`` in progress (``TimeoutError``, the loader unchanged)."""
         self._check_open()
         ckpt = checkpoint.structure(state_dict)
         checkpoint.check_pipeline(ckpt, self._expected())
         # Valid: from here on the loader changes. A stage whose restore still
         # fails (a re-iterable that got shorter, a user's node) rolls back.
-        before = self.state_dict()
+        before = self._state("load_state_dict()")
         self._res.end_run()
+        guard = hold(self._res.chain_lock, "load_state_dict()", self._nodes)
         try:
-            self._restore(_copy_state(state_dict))
+            guard.acquire()
+        except TimeoutError:
+            # The stopped run's feeder is still inside a central next(): keep
+            # the position as it was; the stages are restored at the next start.
+            self._resume, self._reload = before, True
+            raise
+        try:
+            self._restore(resume.copy_state(state_dict))
         except BaseException:
             self._resume = None
             self._restore(before)
             raise
+        finally:
+            guard.release()
 
     def _restore(self, sd: dict[str, Any]) -> None:
         self._ctx.epoch = sd["epoch"]
@@ -454,10 +472,12 @@ class Loader(Generic[T]):
                 return node.own_state()
             items, weight = stamp[stamped.index(node)]
             return {"items": items, "weight": weight}
+        what = f"query({name!r})"
         if run is not None:
-            with run.reading():
+            with run.reading(what):
                 return node.query_state()
-        return node.query_state()
+        with hold(self._res.chain_lock, what, self._nodes):
+            return node.query_state()
 
     def metrics(self) -> dict[str, Any]:
         """Per central stage items in/out and own time; ``"dispatch"``: buffer,
@@ -511,7 +531,7 @@ class Loader(Generic[T]):
         run = self._res.run
         if run is not None and not run.stopping and run.session is not None:
             return run.session.worker_states()
-        return _ask_idle_pool(self._ensure_pool(), self._stats)
+        return idle_worker_states(self._ensure_pool(), self._stats)
 
     def worker_pids(self) -> list[int]:
         """Process ids of the live workers (empty before the first iteration
@@ -578,51 +598,3 @@ class Loader(Generic[T]):
                     "WorkerConfig(start_method='fork')."
                 )
                 raise PipelineError(msg) from None
-
-    def _pre_shard_index(self, stamp: Any) -> int | None:
-        for i, node in enumerate(self._stamped):
-            if isinstance(node, Shard):
-                if stamp is None:
-                    return node.index
-                entry = stamp[i]
-                return int(entry[0] if isinstance(entry, (list, tuple)) else entry)
-        return None
-
-
-def _ask_idle_pool(pool: Executor, stats: StreamStats) -> list[dict[str, Any]]:
-    """Worker states between runs: a short session with no streams."""
-    w = Policy(timeout_s=None, max_restarts=2**31, item_retries=0, on_error="raise")
-    session = Session(pool, run_id=-1, policy=w, stats=stats)
-    session.start()  # also replaces a worker that died since the last run
-    try:
-        return session.worker_states()
-    finally:
-        session.stop()
-
-
-def _plan(flight: dict[str, Any]) -> StreamPlan:
-    """Where a stream resumes, from its checkpoint entry."""
-    resume = InFlight(
-        flight["first_seq"],
-        list(flight["items"]),
-        None if flight.get("stamps") is None else list(flight["stamps"]),
-        flight["skip_outputs"],
-        flight["skip"],
-    )
-    return StreamPlan(flight["next_seq"], resume, _tuplify(flight.get("delivered_stamp")))
-
-
-def _tuplify(stamp: Any) -> Any:
-    if stamp is None:
-        return None
-    return tuple(tuple(x) if isinstance(x, list) else x for x in stamp)
-
-
-def _copy_state(sd: Any) -> dict[str, Any]:
-    """A copy of the checkpoint's containers (items themselves are shared)."""
-    out = dict(sd)
-    out["in_flight"] = {
-        name: {**flight, "items": list(flight["items"])} for name, flight in sd["in_flight"].items()
-    }
-    out["central"] = dict(sd["central"])
-    return out

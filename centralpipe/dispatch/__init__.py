@@ -25,6 +25,8 @@ Modules, by role:
 - ``budget``     the bytes of results held before their turn, and the bound
   on them (``buffer_bytes``): which streams may send, which workers are read.
 - ``boundary``   assembling a run of every stream (the Loader's entry).
+- ``guard``      the chain lock, the one lock held across user code, and
+  the bounded waits on it.
 
 The concurrency story
 ---------------------
@@ -39,22 +41,32 @@ Who runs what:
 
 - The central chain (every central stage's ``next()``, parallel stages
   included) runs in exactly one thread at a time — the feeder, or without one
-  the consumer — always under the dispatch stream's ``lock``. That thread is
-  the only one that sends chunks, for every stream, and re-sends the chunks of
-  replaced workers; a parallel stage's ``next()`` pulls, sends and waits for
-  its own head result in that thread.
+  the consumer — always under the Loader's *chain lock* (``guard``), the only
+  lock ever held across user code. It outlives runs: a stopped run's feeder
+  still inside a blocking ``next()`` keeps it until that call returns and
+  then pulls nothing more, so a new pass never runs the chain beside it.
+  That thread is the only one that sends chunks, for every stream, and
+  re-sends the chunks of replaced workers; a parallel stage's ``next()``
+  pulls, sends and waits for its own head result in that thread.
 - The supervisor thread is the only reader of results: it puts each on its
   chunk (without taking any stream's lock), and detects deaths (sentinels),
   hangs (``timeout_s`` from the start of an item, or a worker that owes
   results and does not start them) and replaces workers. It never sends a
   chunk, so it never blocks on a full pipe, and workers never block long on
   their output.
-- ``state_dict()``, ``query()`` and ``metrics()`` read under the dispatch
-  stream's lock (``Stream.reading``): the central thread releases it at least
-  every ``LOCK_SLICE_S`` between items and yields to a waiting reader, but
-  one ``next()`` of the chain is atomic — a parallel stage waiting for its
-  workers makes a reader wait too (bounded by the workers' progress, and by
-  ``timeout_s`` when set).
+- Each stream also has a bookkeeping ``lock`` (pending chunks, counters,
+  delivery position), held for a few statements only, never across user
+  code: taking a result, retiring a chunk, stopping a run, ``metrics()`` and
+  ``query(delivered=True)`` never wait for the central chain.
+- ``state_dict()``, ``query()``, ``load_state_dict()`` and the start of a
+  pass read or reset central stages, so they hold the chain lock
+  (``Stream.reading``): the central thread releases it at least every
+  ``LOCK_SLICE_S`` between items and yields to a waiting reader, but one
+  ``next()`` of the chain is atomic (a stage's state mid-call is not a
+  position) — a source blocked on a read, or a parallel stage waiting for a
+  hung worker, holds it. They wait at most ``guard.CENTRAL_WAIT_S`` (60 s),
+  then raise ``TimeoutError`` naming the stage (read from the threads'
+  stacks), having changed nothing: never an inexact state.
 
 Who blocks on what, and the bound (every wait is at most ``POLL_S`` and
 re-checks for stop and errors; ``Session.wake`` is the one condition that
@@ -89,10 +101,19 @@ released it, and each worker generation gets a fresh ring (no torn or reused
 result, whenever a worker dies); the delivery position of a parallel stage's stream only
 moves in the central thread.
 
+Starting a pass: the run is built (no thread) under the chain lock and
+registered with the Loader *before* any thread starts (``Run.start``), so an
+error or Ctrl-C anywhere in the start leaves only threads that stopping the
+registered run ends; a thread whose ``start()`` was interrupted is joined
+once it shows up (``guard.join_started``) or, showing up later, finds its run
+stopped and ends without touching anything.
+
 Shutdown escalates (``Run.stop``): mark the run abandoned (flags first, no
 lock needed) and ``current_run`` (workers skip queued chunks) → wait for the
 feeder (``STOP_TIMEOUT_S``) while the supervisor keeps reading, then kill
-workers if it is stuck in a send → stop the supervisor → at ``close()``:
+workers if it is stuck in a send (one inside a central ``next()`` is not
+waited for: it leaves when that call returns) → stop the supervisor → at
+``close()``:
 close our pipe ends (workers read EOF) → join (``_JOIN_TIMEOUT_S``) →
 terminate → kill. Threads get an end-of-input marker and a short join; a
 thread stuck in user code is left as a daemon. ``close()`` is idempotent and

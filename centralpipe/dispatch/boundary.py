@@ -12,6 +12,7 @@ lock, the delivered view of ``count`` stages, worker states, and stop.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -23,7 +24,7 @@ from centralpipe.dispatch.sender import FeederDriver, InlineDriver, SegmentDrive
 from centralpipe.dispatch.supervisor import Policy, Session
 from centralpipe.stages import CentralNode, Parallel, Shard
 
-__all__ = ["Policy", "Run", "StreamPlan", "empty_segment_entry"]
+__all__ = ["Policy", "Run", "StreamPlan", "empty_segment_entry", "idle_worker_states"]
 
 
 class StreamPlan:
@@ -61,6 +62,7 @@ class Run:
         run_id: int = 0,
         delivered: int = 0,
         pinner: Any = None,
+        chain_lock: threading.Lock | None = None,
     ) -> None:
         self.nodes = list(nodes)
         self.segments = [n for n in nodes if isinstance(n, Parallel)]
@@ -109,13 +111,14 @@ class Run:
             stream_id=len(self.segments),
             delivered=delivered,
             rng_base=_rng_base(self.nodes),
+            chain_lock=chain_lock,
             **common,
         )
         self.stream.pinner = pinner
-        feeder: FeederDriver | None = None
+        self.feeder: FeederDriver | None = None
         if self.session is not None and chain.specs:
-            feeder = FeederDriver(self.stream, self.session)
-            self.stream.driver = feeder
+            self.feeder = FeederDriver(self.stream, self.session)
+            self.stream.driver = self.feeder
         else:
             # No worker stages after the boundary: the consumer's thread runs
             # the central chain (parallel stages still use the workers).
@@ -125,11 +128,19 @@ class Run:
             self.session.held.streams = self.session.streams
             for stream in self.session.streams:
                 stream.held = self.session.held
-            self.session.start()
+
+    def start(self) -> None:
+        """Start the supervisor and the feeder (nothing starts before this).
+
+        The owner keeps the run before calling it: an error or Ctrl-C at any
+        point in here leaves threads that :meth:`stop` ends, and stopped
+        streams pull nothing more."""
         for node, stream in zip(self.segments, self.segment_streams):
             node.attach(stream)
-        if feeder is not None:
-            feeder.start()
+        if self.session is not None:
+            self.session.start()
+        if self.feeder is not None:
+            self.feeder.start()
 
     # -- what the Loader reads ---------------------------------------------------
 
@@ -140,13 +151,13 @@ class Run:
     def outputs(self) -> Iterator[Any]:
         return self.stream.outputs()
 
-    def reading(self) -> contextlib.AbstractContextManager[None]:
-        return self.stream.reading()
+    def reading(self, what: str) -> contextlib.AbstractContextManager[None]:
+        return self.stream.reading(what)
 
-    def capture(self) -> dict[str, Any]:
+    def capture(self, what: str = "state_dict()") -> dict[str, Any]:
         """Central states, the dispatch boundary's and every parallel stage's
         in-flight inputs, all at the consumer's position (one lock)."""
-        with self.stream.reading():
+        with self.stream.reading(what):
             body = self.stream.capture_unlocked()
             body["central"] = {node.name: node.own_state() for node in self.nodes}
             body["segments"] = {
@@ -186,14 +197,31 @@ class Run:
             self.session.stop()
 
     def stop(self) -> None:
-        """Stop every stream and the session; idempotent and bounded."""
+        """Stop every stream and the session; idempotent and bounded. It never
+        waits for a central ``next()`` in progress: the thread inside it pulls
+        nothing more once that call returns."""
+        streams = [*self.segment_streams, self.stream]
+        # Flags first, without any lock: senders, pullers and waiters give up.
         if self.session is not None:
-            self.session.abandoned = True  # first: waiting senders give up
+            self.session.abandoned = True
+        for stream in streams:
+            stream.stopping = True
+        if self.session is not None:
             self.session.notify()
-        for stream in self.segment_streams:
+        for stream in streams:
             stream.stop()
-        self.stream.stop()
         self._stop_session()
+
+
+def idle_worker_states(pool: Executor, stats: StreamStats) -> list[dict[str, Any]]:
+    """Worker states between runs: a short session with no streams."""
+    w = Policy(timeout_s=None, max_restarts=2**31, item_retries=0, on_error="raise")
+    session = Session(pool, run_id=-1, policy=w, stats=stats)
+    try:
+        session.start()  # also replaces a worker that died since the last run
+        return session.worker_states()
+    finally:
+        session.stop()
 
 
 def _rng_base(nodes: Sequence[CentralNode[Any]]) -> tuple[int, int, int]:

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from centralpipe.dispatch.guard import join_started
+
 __all__ = ["Pinner", "accelerator", "make_pinner", "pin"]
 
 #: How long close() waits for the pin thread to finish its current chunk.
@@ -68,7 +70,11 @@ def pin(obj: Any) -> Any:
 
 
 class Pinner:
-    """One thread that pins the outputs of received chunks, in order."""
+    """One thread that pins the outputs of received chunks, in order.
+
+    Each thread has its own job queue, so a thread whose start was
+    interrupted (Ctrl-C) and is given up can never take a later thread's
+    jobs, and ``close()`` ends whichever of them runs."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[tuple[list[Any], Future[list[Any]]] | None] = (
@@ -86,16 +92,27 @@ class Pinner:
                 future.set_result(outputs)
                 return future
             if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="centralpipe-pin", daemon=True
+                jobs: queue.SimpleQueue[tuple[list[Any], Future[list[Any]]] | None]
+                jobs = queue.SimpleQueue()
+                thread = threading.Thread(
+                    target=self._run, args=(jobs,), name="centralpipe-pin", daemon=True
                 )
-                self._thread.start()
+                self._thread, self._jobs = thread, jobs
+                try:
+                    thread.start()
+                except BaseException:
+                    # Interrupted before or after the thread began: if it runs,
+                    # this ends it; the next submit starts a fresh one.
+                    self._thread = None
+                    jobs.put(None)
+                    raise
             self._jobs.put((outputs, future))
         return future
 
-    def _run(self) -> None:
+    @staticmethod
+    def _run(jobs: queue.SimpleQueue[tuple[list[Any], Future[list[Any]]] | None]) -> None:
         while True:
-            job = self._jobs.get()
+            job = jobs.get()
             if job is None:
                 return
             outputs, future = job
@@ -113,8 +130,8 @@ class Pinner:
             thread, self._thread = self._thread, None
             if thread is not None:
                 self._jobs.put(None)
-        if thread is not None:
-            thread.join(_CLOSE_TIMEOUT_S)
+        if thread is not None and thread is not threading.current_thread():
+            join_started(thread, _CLOSE_TIMEOUT_S)
 
 
 def make_pinner(enabled: bool) -> Pinner | None:

@@ -8,7 +8,14 @@ result on the chunk; :meth:`Stream.outputs` yields the outputs in ``seq``
 order. ``pending`` holds every chunk pulled but not yet fully delivered; with
 the central stages' state it is the whole checkpoint (:meth:`Stream.capture`).
 
-Invariants (under ``lock``):
+Two locks: ``chain_lock`` is held by the thread running the central chain
+across the tip's ``next()`` (user code; see :mod:`centralpipe.dispatch.guard`),
+``lock`` guards the bookkeeping below and is only ever held for a few
+statements, never across user code: the consumer taking a result, and
+stopping, never wait on the central chain. A reader of the checkpoint holds
+both (``chain_lock`` first, bounded).
+
+Invariants (under ``lock``, and under both for the pulled items):
 
 - every item the central chain produced is either delivered, or in a pending
   chunk — always both or neither;
@@ -34,6 +41,7 @@ from typing import Any
 
 from centralpipe.dispatch.budget import ResultBytes
 from centralpipe.dispatch.chain import WorkerChain
+from centralpipe.dispatch.guard import hold
 from centralpipe.dispatch.protocol import Chunk, ChunkResult, InFlight
 from centralpipe.errors import CheckpointError, WorkerError
 from centralpipe.stages import CentralNode, Shard
@@ -141,6 +149,7 @@ class Stream:
         stream_id: int = 0,
         delivered: int = 0,
         rng_base: tuple[int, int, int] = (0, 1, 0),
+        chain_lock: threading.Lock | None = None,
     ) -> None:
         self.tip = tip
         self.stamper = stamper
@@ -165,6 +174,12 @@ class Stream:
         self.wake: threading.Condition | None = None
         #: The run's count of bytes held by results (with workers; see dispatch.budget).
         self.held: ResultBytes | None = None
+        #: Held across the central chain's ``next()``; the Loader's, for the
+        #: dispatch stream (it outlives runs); a parallel stage's stream is
+        #: only pulled under that one already.
+        self.chain_lock = threading.Lock() if chain_lock is None else chain_lock
+        self._chain_nodes = tip.chain()
+        #: The bookkeeping lock: never held across user code.
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self.pending: deque[Chunk] = deque()
@@ -416,13 +431,15 @@ class Stream:
     # -- checkpoint ------------------------------------------------------------
 
     @contextlib.contextmanager
-    def reading(self) -> Iterator[None]:
-        """Hold the lock to read state. The feeder yields to waiting readers
-        between pull slices, so a reader waits at most about one slice."""
+    def reading(self, what: str = "state_dict()") -> Iterator[None]:
+        """Hold both locks to read state. The central thread yields to waiting
+        readers between pull slices, so a reader waits for at most one
+        ``next()`` of the chain, and never longer than ``CENTRAL_WAIT_S``
+        (then ``TimeoutError`` naming the stage that keeps the chain)."""
         with self._readers_lock:
             self._readers += 1
         try:
-            with self.lock:
+            with hold(self.chain_lock, what, self._chain_nodes), self.lock:
                 yield
         finally:
             with self._readers_lock:
@@ -490,8 +507,9 @@ class Stream:
         }
 
     def delivered_stamp(self) -> Any:
-        """Stamp of the count/shard stages as of the last delivered output."""
-        with self.reading():
+        """Stamp of the count/shard stages as of the last delivered output:
+        delivery bookkeeping only, so it never waits for the central chain."""
+        with self.lock:
             return self.last_output_stamp()
 
     def last_output_stamp(self) -> Any:
@@ -507,8 +525,10 @@ class Stream:
         return self.last_stamp
 
     def stop(self) -> None:
-        """Abandon or finish the run; idempotent. An iterator still delivering
-        a chunk stops at its next item and raises (see ``outputs``)."""
+        """Abandon or finish the run; idempotent and bounded (the bookkeeping
+        lock only: a central ``next()`` in progress is not waited for). An
+        iterator still delivering a chunk stops at its next item and raises
+        (see ``outputs``)."""
         self.stopping = True  # first, without the lock: pullers and waiters give up
         with self.cond:
             it = self._cur_it

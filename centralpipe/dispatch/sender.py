@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from centralpipe.dispatch import protocol
+from centralpipe.dispatch.guard import busy_stage
 from centralpipe.dispatch.protocol import Chunk, ChunkResult, StageFailure
 from centralpipe.dispatch.reorder import FIRST_CHUNK, Driver, Stream
 from centralpipe.dispatch.supervisor import POLL_S, Session
@@ -92,7 +93,13 @@ def has_room(s: Stream) -> bool:
 
 def pull_chunk(s: Stream) -> Chunk | None:
     """Pull up to one chunk of items; ``None`` when nothing is left (or
-    stopping). The chunk is in ``pending`` from its first item on."""
+    stopping). The chunk is in ``pending`` from its first item on.
+
+    The central chain runs under ``s.chain_lock``, in slices; the counters
+    move under ``s.lock`` before the slice ends, so a reader holding both
+    sees every pulled item either in a pending chunk or not yet pulled.
+    After the stream is stopped, no slice starts: a thread that was inside
+    ``next()`` leaves the chain when that call returns."""
     target = target_chunk(s)
     stamped = bool(s._stamped)
     with s.lock:
@@ -113,16 +120,22 @@ def pull_chunk(s: Stream) -> Chunk | None:
     # parallel stage hands out a slice at a time instead of one per call.
     pull = s.tip.pull_into if stamps is None else None
     most = PULL_BURST if pull is None else MAX_CHUNK
+    chain_lock = s.chain_lock
     while True:
         if s._readers:
             # Lock hand-off is not fair: drop the GIL so a waiting
             # state_dict()/query() gets the lock before we take it again.
             time.sleep(0)
-        with s.lock:
+        if not chain_lock.acquire(timeout=POLL_S):
+            if s.stopping:
+                break
+            continue  # a reader, or a stopped run's thread still in next()
+        try:
             if s.stopping:
                 break
             t0 = time.perf_counter()
             slice_end = t0 + LOCK_SLICE_S
+            resumed = 0
             while s._resume and len(items) < target:
                 seq, item, stamp = s._resume.popleft()
                 if seq in s._resume_skip:
@@ -132,8 +145,10 @@ def pull_chunk(s: Stream) -> Chunk | None:
                 if stamps is not None:
                     stamps.append(stamp if stamp is not None else s._stamp_now())
                 append(item)
-                s.in_flight += 1
+                resumed += 1
             before = len(items)
+            exhausted = False
+            error: BaseException | None = None
             try:
                 while len(items) < target:
                     # Pull in short bursts; look at the clock between them.
@@ -142,37 +157,46 @@ def pull_chunk(s: Stream) -> Chunk | None:
                         pull(items, burst)
                     else:
                         for _ in range(burst):
+                            if s.stopping:  # a next() that blocked may have outlived the run
+                                break
                             item = nxt()
                             if stamps is not None:
                                 stamps.append(s._stamp_now())
                             append(item)
-                    if time.perf_counter() > slice_end:
+                    if time.perf_counter() > slice_end or s.stopping:
                         break
             except StopIteration:
-                s.exhausted = True
+                exhausted = True
             except BaseException as exc:  # a central stage failed
-                s.central_error = exc
-                s.exhausted = True
+                error = exc
+                exhausted = True
             added = len(items) - before
+            now = time.perf_counter()
             if added:
                 # Slow central stages get a look at the clock after every
                 # item, so the lock is never held much past LOCK_SLICE_S.
-                per_item = max(1e-9, (time.perf_counter() - t0) / added)
+                per_item = max(1e-9, (now - t0) / added)
                 s._burst = max(1, min(most, int(LOCK_SLICE_S / per_item / 4)))
-            s.next_seq += added
-            s.in_flight += added
-            s.stats.wait_central_s += time.perf_counter() - t0
-            if s.in_flight > s.stats.high_water:
-                s.stats.high_water = s.in_flight
-            done = s.exhausted or len(items) >= target
-            if done or time.perf_counter() - started > FLUSH_S:
-                if not items:
-                    s.pending.remove(chunk)
-                    del s.by_cid[chunk.cid]
-                    return None
-                chunk.closed = True
-                s.stats.dispatched += len(items)
-                return chunk
+            with s.lock:
+                if exhausted:
+                    s.exhausted = True
+                    s.central_error = error
+                s.next_seq += added
+                s.in_flight += added + resumed
+                s.stats.wait_central_s += now - t0
+                if s.in_flight > s.stats.high_water:
+                    s.stats.high_water = s.in_flight
+                done = s.exhausted or len(items) >= target
+                if done or now - started > FLUSH_S:
+                    if not items:
+                        s.pending.remove(chunk)
+                        del s.by_cid[chunk.cid]
+                        return None
+                    chunk.closed = True
+                    s.stats.dispatched += len(items)
+                    return chunk
+        finally:
+            chain_lock.release()
     # stopping: leave the chunk in pending (the run is abandoned anyway)
     return None
 
@@ -342,6 +366,10 @@ class SegmentDriver(Driver):
                     session.wake.wait(POLL_S)
 
 
+#: A feeder in these is not stuck in a central stage (a worker may unblock it).
+_SEND_CODES = frozenset({send_chunk.__code__})
+
+
 class FeederDriver(Driver):
     """The dispatch boundary over the workers: a feeder thread pulls chunks
     from the central chain and sends them; the consumer waits for results."""
@@ -352,9 +380,17 @@ class FeederDriver(Driver):
         self.error: BaseException | None = None
         stream.wake = session.wake
         self.thread = threading.Thread(target=self._feed, name="centralpipe-feeder", daemon=True)
+        #: ``thread.start()`` was called (it may have been interrupted).
+        self.launched = False
 
     def start(self) -> None:
+        self.launched = True
         self.thread.start()
+
+    def _in_central(self) -> bool:
+        """The feeder is inside a central ``next()`` (not sending to a worker)."""
+        found = busy_stage(self.stream._chain_nodes, self.thread.ident, _SEND_CODES)
+        return found is not None
 
     def _room(self) -> bool:
         return has_room(self.stream) and self.session.held.may_pull(self.stream)
@@ -394,7 +430,8 @@ class FeederDriver(Driver):
             s.stats.wait_workers_s += time.perf_counter() - started
 
     def stop(self) -> None:
-        self.session.stop(sender=self.thread)
+        sender = self.thread if self.launched else None
+        self.session.stop(sender=sender, in_central=self._in_central)
 
     def worker_states(self) -> list[Any] | None:
         return self.session.worker_states()

@@ -19,10 +19,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict, deque
+from collections.abc import Callable
 from typing import Any
 
 from centralpipe.dispatch import protocol
 from centralpipe.dispatch.budget import ResultBytes
+from centralpipe.dispatch.guard import join_started
 from centralpipe.dispatch.pool import Executor, ProcessPool, Slot
 from centralpipe.dispatch.protocol import MSG_RESULT, MSG_STATES, Chunk, StageFailure
 from centralpipe.dispatch.reorder import Stream, StreamStats, logger
@@ -90,6 +92,9 @@ class Session:
         #: A state request is being answered: every worker is read.
         self.asking = False
         self._paused: frozenset[int] = frozenset()
+        #: ``thread.start()`` was called (it may have been interrupted).
+        self.launched = False
+        self.stopped = False
         self.thread = threading.Thread(
             target=self._supervise, name="centralpipe-supervisor", daemon=True
         )
@@ -98,6 +103,7 @@ class Session:
         self.executor.measure = self.held.limit is not None
         self.executor.set_run(self.run_id)
         self.executor.ensure_alive()
+        self.launched = True
         self.thread.start()
 
     def next_slot(self) -> int:
@@ -344,20 +350,36 @@ class Session:
         self.check()
         return [self.states.get(i, {}) for i in range(len(self.executor.slots))]
 
-    def stop(self, sender: threading.Thread | None = None) -> None:
+    def stop(
+        self,
+        sender: threading.Thread | None = None,
+        in_central: Callable[[], bool] | None = None,
+    ) -> None:
         """Abandon the run; bounded. The sending thread (if any) is waited for
         while results are still read, so it can never stay blocked on a full
-        pipe; if it is stuck anyway the workers are killed."""
+        pipe; if it is stuck in a send anyway the workers are killed. One that
+        is inside a central stage's ``next()`` (``in_central``) is not waited
+        for: it leaves the chain when that call returns and pulls nothing more
+        (see :mod:`centralpipe.dispatch.guard`)."""
+        if self.stopped:
+            return
         self.abandoned = True
         self.executor.set_run(self.run_id + 1)
         self.notify()
         if sender is not None and sender is not threading.current_thread():
-            sender.join(STOP_TIMEOUT_S)
-            if sender.is_alive():
-                for slot in self.executor.slots:
-                    self.executor.kill(slot)
-                sender.join(2.0)
+            deadline = time.monotonic() + STOP_TIMEOUT_S
+            join_started(sender, POLL_S)
+            while sender.is_alive() and time.monotonic() < deadline:
+                if in_central is not None and in_central():
+                    break
+                sender.join(POLL_S)
+            else:
+                if sender.is_alive():
+                    for slot in self.executor.slots:
+                        self.executor.kill(slot)
+                    sender.join(2.0)
         self.stopping = True
         self.executor.interrupt()
-        if self.thread.is_alive() and self.thread is not threading.current_thread():
-            self.thread.join(STOP_TIMEOUT_S)
+        if self.launched and self.thread is not threading.current_thread():
+            join_started(self.thread, STOP_TIMEOUT_S)
+        self.stopped = True

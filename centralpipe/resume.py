@@ -1,0 +1,128 @@
+"""Checkpoint bodies and where a pass resumes: the Loader's plumbing for
+``state_dict()`` and ``load_state_dict()``.
+
+:func:`assemble` turns what a run captured (or :func:`idle_body`, between
+runs) into the checkpoint dict; :func:`plans` turns a loaded checkpoint's
+in-flight entries into one :class:`~centralpipe.dispatch.boundary.StreamPlan`
+per stream. The checkpoint's layout and its checks live in
+:mod:`centralpipe.checkpoint`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from centralpipe.checkpoint import FORMAT_VERSION
+from centralpipe.dispatch.boundary import StreamPlan, empty_segment_entry
+from centralpipe.dispatch.protocol import InFlight
+from centralpipe.stages import CentralNode, Shard
+
+__all__ = ["assemble", "copy_state", "delivered", "idle_body", "plans", "tuplify"]
+
+
+def idle_body(segments: Sequence[str], nodes: Sequence[CentralNode[Any]]) -> dict[str, Any]:
+    """What a run would capture, between runs: no item in flight."""
+    return {
+        "segments": {name: empty_segment_entry() for name in segments},
+        "central": {node.name: node.own_state() for node in nodes},
+        "next_seq": 0,
+        "in_flight": {
+            "first_seq": 0,
+            "items": [],
+            "stamps": None,
+            "skip_outputs": 0,
+            "skip": [],
+        },
+        "delivered_stamp": None,
+        "finished": True,
+        "delivered": 0,
+    }
+
+
+def assemble(
+    body: dict[str, Any],
+    *,
+    fingerprint: Any,
+    seed: int,
+    epoch: int,
+    rank: int,
+    world_size: int,
+    boundary: str,
+    stamped: Sequence[CentralNode[Any]],
+) -> dict[str, Any]:
+    """The checkpoint dict (builtins and tensors only) of a captured body."""
+    stamp = body["delivered_stamp"]
+    return {
+        "format_version": FORMAT_VERSION,
+        "fingerprint": fingerprint,
+        "seed": seed,
+        "epoch": epoch,
+        "finished": body["finished"],
+        # "merged" is always present, so a state_dict() used as the template
+        # of torch.distributed.checkpoint's load receives a global state's flag.
+        "distributed": {"rank": rank, "world_size": world_size, "merged": False},
+        "central": body["central"],
+        "in_flight": {
+            **body["segments"],
+            boundary: {
+                "next_seq": body["next_seq"],
+                **body["in_flight"],
+                "delivered_stamp": None,  # the top-level one
+            },
+        },
+        "delivered_stamp": stamp,
+        "position": {
+            "pre_shard_index": _pre_shard_index(stamped, stamp),
+            "delivered": body["delivered"],
+        },
+    }
+
+
+def _pre_shard_index(stamped: Sequence[CentralNode[Any]], stamp: Any) -> int | None:
+    for i, node in enumerate(stamped):
+        if isinstance(node, Shard):
+            if stamp is None:
+                return node.index
+            entry = stamp[i]
+            return int(entry[0] if isinstance(entry, (list, tuple)) else entry)
+    return None
+
+
+def plans(resume: dict[str, Any], boundary: str) -> dict[str, StreamPlan]:
+    """Where each stream resumes, from a (checked) checkpoint."""
+    out = {name: _plan(flight) for name, flight in resume["in_flight"].items()}
+    out[boundary].delivered_stamp = tuplify(resume.get("delivered_stamp"))
+    return out
+
+
+def delivered(resume: dict[str, Any]) -> int:
+    """Outputs the checkpoint's epoch had delivered (its step count)."""
+    return int((resume.get("position") or {}).get("delivered") or 0)
+
+
+def _plan(flight: dict[str, Any]) -> StreamPlan:
+    resume = InFlight(
+        flight["first_seq"],
+        list(flight["items"]),
+        None if flight.get("stamps") is None else list(flight["stamps"]),
+        flight["skip_outputs"],
+        flight["skip"],
+    )
+    return StreamPlan(flight["next_seq"], resume, tuplify(flight.get("delivered_stamp")))
+
+
+def tuplify(stamp: Any) -> Any:
+    if stamp is None:
+        return None
+    return tuple(tuple(x) if isinstance(x, list) else x for x in stamp)
+
+
+def copy_state(sd: Any) -> dict[str, Any]:
+    """A copy of the checkpoint's containers (items themselves are shared)."""
+    out = dict(sd)
+    out["in_flight"] = {
+        name: {**flight, "items": list(flight["items"])} for name, flight in sd["in_flight"].items()
+    }
+    out["central"] = dict(sd["central"])
+    return out

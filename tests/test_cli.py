@@ -276,6 +276,9 @@ def test_quick_seed_bench_prints_its_table() -> None:
         len(bpe_rows) == 1 and "skipped: `tokenizers` is not importable" in bpe_rows[0]
     )
     assert "seed, pure-Python tokenizer: >= 20 µs a line" in out
+    for ex in ("process", "thread"):
+        assert f"seed, pure Python, parallel {ex}, 2 workers: ahead of every peer" in out
+        assert f"seed, pure Python, parallel {ex}: start-up < 10 % of the epoch" in out
 
 
 def test_seed_bucketizer_matches_bucket_by_max_tokens() -> None:

@@ -8,78 +8,36 @@ processes are started by the first pass and kept across epochs.
 
 from __future__ import annotations
 
-import pickle
-import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
-from centralpipe import checkpoint, resume
+from centralpipe import checkpoint, metrics, resume
 from centralpipe.config import LoaderConfig
 from centralpipe.dispatch.boundary import Policy, Run, StreamPlan, idle_worker_states
 from centralpipe.dispatch.chain import WorkerChain
 from centralpipe.dispatch.guard import hold
-from centralpipe.dispatch.pinning import Pinner, make_pinner
+from centralpipe.dispatch.pinning import make_pinner
 from centralpipe.dispatch.pool import Executor, ProcessPool, ThreadPool, warm_up
 from centralpipe.dispatch.reorder import StreamStats
 from centralpipe.dispatch.worker import WorkerSpec
 from centralpipe.errors import PipelineError
 from centralpipe.launchers import warn_if_duplicating
+from centralpipe.lifetime import Resources
 from centralpipe.pipeline import WORKER_KINDS, Pipeline
 from centralpipe.stages import (
-    CentralNode,
     Count,
     Parallel,
     RunContext,
     all_nodes,
     build_central,
 )
-from centralpipe.stages.totals import Total, chain_totals, first_unknown
-from centralpipe.startup import main_is_importable, references_main
+from centralpipe.stages.totals import Total, chain_totals, exact_length
+from centralpipe.startup import check_picklable
 
 __all__ = ["Loader"]
 
 T = TypeVar("T")
-
-
-class _Resources:
-    """What must be released even if the Loader is garbage collected."""
-
-    def __init__(self) -> None:
-        self.pool: Executor | None = None
-        self.run: Run | None = None
-        self.pinner: Pinner | None = None
-        self.nodes: list[CentralNode[Any]] = []
-        #: Held across every central ``next()`` (see dispatch.guard).
-        self.chain_lock = threading.Lock()
-
-    def end_run(self) -> None:
-        """Stop the current run (bounded). It stays registered until it has
-        stopped, so an interrupted stop is finished by the next call."""
-        run = self.run
-        if run is not None:
-            run.stop()
-            self.run = None
-
-    def close(self) -> None:
-        # Each step runs even if an earlier one fails (e.g. Ctrl-C mid-drain).
-        try:
-            self.end_run()
-        finally:
-            try:
-                if self.pool is not None:
-                    pool, self.pool = self.pool, None
-                    pool.close()
-            finally:
-                if self.pinner is not None:
-                    self.pinner.close()
-                # Files are closed unless a stopped run's thread is still
-                # inside a central next(): then they close with the nodes.
-                if self.nodes and self.chain_lock.acquire(blocking=False):
-                    try:
-                        self.nodes[-1].release()
-                    finally:
-                        self.chain_lock.release()
 
 
 class Loader(Generic[T]):
@@ -128,10 +86,10 @@ class Loader(Generic[T]):
         self._reload = False
         self._run_ids = 0
         self._iters = 0
-        self._res = _Resources()
+        self._res = Resources()
         self._res.nodes = self._nodes
         self._res.pinner = make_pinner(config.pin_memory)
-        self._finalizer = weakref.finalize(self, self._res.close)
+        self._finalizer = weakref.finalize(self, self._res.finalize)
         self._closed = False
 
     @property
@@ -312,23 +270,7 @@ class Loader(Generic[T]):
         return chain_totals(self._nodes, self._pipe.stages, self._ctx)
 
     def __len__(self) -> int:
-        totals = self._totals()
-        total = totals[self._pipe.stages[-1].name]
-        if total is None:
-            blocker = first_unknown(totals, [s.name for s in self._pipe.stages])
-            msg = (
-                f"the length of this pipeline is not known without iterating: stage "
-                f"'{blocker}' changes the number of items or has no length."
-            )
-            raise TypeError(msg)
-        if not total.exact:
-            msg = (
-                f"the length of this pipeline is not known without iterating: stage "
-                f"'{total.bound_by}' may drop or merge items, so only an upper bound of "
-                f"{total.items} is known (loader.total())."
-            )
-            raise TypeError(msg)
-        return total.items
+        return exact_length(self._totals(), [s.name for s in self._pipe.stages])
 
     # -- checkpoints -------------------------------------------------------------
 
@@ -481,46 +423,16 @@ class Loader(Generic[T]):
 
     def metrics(self) -> dict[str, Any]:
         """Per central stage items in/out and own time; ``"dispatch"``: buffer,
-        skipped items, worker restarts, items per worker and waiting times."""
-        out: dict[str, Any] = {}
-        run = self._res.run
-        in_flight = run.segment_in_flight() if run is not None else {}
-        for node in all_nodes(self._nodes):
-            out[node.name] = {
-                "items_in": node.source_items(),
-                "items_out": node.items_out,
-                "time_s": max(0.0, node.time_s - node.source_time_s()),
-            }
-            if node.name in self._segment_stats:
-                seg = self._segment_stats[node.name]
-                out[node.name]["parallel"] = {
-                    "in_flight": in_flight.get(node.name, 0),
-                    "chunk_size": seg.chunk_size,
-                    "skipped": seg.skipped,
-                    "items_per_worker": list(seg.items_per_worker),
-                }
-        s, w = self._stats, self._config.workers
-        out["dispatch"] = {
-            "num_workers": w.num_workers,
-            "dispatched": s.dispatched,
-            "delivered": s.delivered + (run.delivered_in_chunk() if run is not None else 0),
-            "buffered": max(0, run.in_flight - run.delivered_in_chunk()) if run is not None else 0,
-            "buffer_size": w.buffer_size,
-            "buffer_high_water": s.high_water,
-            "buffered_bytes": run.held_bytes() if run is not None else 0,
-            "buffer_bytes": w.buffer_bytes,
-            "buffered_bytes_high_water": s.bytes_high_water,
-            "chunk_size": s.chunk_size,
-            "skipped": s.skipped + sum(seg.skipped for seg in self._segment_stats.values()),
-            "restarts": s.restarts,
-            "items_per_worker": list(s.items_per_worker),
-            "wait_workers_s": s.wait_workers_s,
-            "wait_central_s": s.wait_central_s,
-        }
-        pool = self._res.pool
-        if isinstance(pool, ProcessPool):
-            out["dispatch"]["transport"] = pool.transport_bytes()
-        return out
+        skipped items, worker restarts, items per worker and waiting times.
+        Never waits (see :mod:`centralpipe.metrics`)."""
+        return metrics.collect(
+            self._nodes,
+            self._stats,
+            self._segment_stats,
+            self._config.workers,
+            self._res.run,
+            self._res.pool,
+        )
 
     def worker_states(self) -> list[dict[str, Any]]:
         """``state_dict()`` of each worker's stateful worker-stage callables, one
@@ -572,29 +484,5 @@ class Loader(Generic[T]):
         w = self._config.workers
         if w.num_workers == 0 or w.executor == "thread":
             return
-        method = w.resolved_start_method()
-        if method == "fork":
-            return
-        main_ok = main_is_importable()
-        for spec in [*(n.spec for n in self._segments), *self._pipe.worker_stages]:
-            try:
-                pickled = pickle.dumps(spec.fn)
-                if not main_ok and references_main(pickled):
-                    msg = (
-                        f"stage '{spec.name}': its function {spec.fn!r} is defined in __main__ "
-                        "of an interactive session, a notebook or `python -c`, which worker "
-                        f"processes started with '{method}' cannot import. Use "
-                        "WorkerConfig(start_method='fork'), or define the function in a module "
-                        "(or a script file run as `python script.py`)."
-                    )
-                    raise PipelineError(msg)
-            except PipelineError:
-                raise
-            except Exception as exc:
-                msg = (
-                    f"stage '{spec.name}': its function {spec.fn!r} cannot be pickled, which "
-                    f"start method '{method}' needs to send it to the workers ({exc}). Define it "
-                    "at module level (not a lambda or a local function), or use "
-                    "WorkerConfig(start_method='fork')."
-                )
-                raise PipelineError(msg) from None
+        specs = [*(n.spec for n in self._segments), *self._pipe.worker_stages]
+        check_picklable(specs, w.resolved_start_method())

@@ -12,10 +12,15 @@ a missing ``if __name__ == "__main__":`` guard.
 from __future__ import annotations
 
 import os
+import pickle
 import pickletools
 import sys
+from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["main_is_importable", "references_main"]
+from centralpipe.errors import PipelineError
+
+__all__ = ["check_picklable", "main_is_importable", "references_main"]
 
 MAIN = "__main__"
 
@@ -55,3 +60,34 @@ def references_main(pickled: bytes) -> bool:
         else:
             pushed.append(None)
     return False
+
+
+def check_picklable(specs: Sequence[Any], method: str) -> None:
+    """Raise ``PipelineError`` naming the first stage of ``specs`` (worker
+    stages, parallel central stages) whose function workers started with
+    ``method`` cannot load."""
+    if method == "fork":
+        return
+    main_ok = main_is_importable()
+    for spec in specs:
+        try:
+            pickled = pickle.dumps(spec.fn)
+            if not main_ok and references_main(pickled):
+                msg = (
+                    f"stage '{spec.name}': its function {spec.fn!r} is defined in __main__ "
+                    "of an interactive session, a notebook or `python -c`, which worker "
+                    f"processes started with '{method}' cannot import. Use "
+                    "WorkerConfig(start_method='fork'), or define the function in a module "
+                    "(or a script file run as `python script.py`)."
+                )
+                raise PipelineError(msg)
+        except PipelineError:
+            raise
+        except Exception as exc:
+            msg = (
+                f"stage '{spec.name}': its function {spec.fn!r} cannot be pickled, which "
+                f"start method '{method}' needs to send it to the workers ({exc}). Define it "
+                "at module level (not a lambda or a local function), or use "
+                "WorkerConfig(start_method='fork')."
+            )
+            raise PipelineError(msg) from None

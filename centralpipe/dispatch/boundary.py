@@ -196,18 +196,23 @@ class Run:
         if self.session is not None:
             self.session.stop()
 
+    def abandon(self) -> None:
+        """Set the stop flags only: plain attribute writes, no lock, no wait
+        (safe in a finalizer). Senders, pullers and waiters give up at their
+        next look; :meth:`stop` still has to follow."""
+        if self.session is not None:
+            self.session.abandoned = True
+        for stream in [*self.segment_streams, self.stream]:
+            stream.stopping = True
+
     def stop(self) -> None:
         """Stop every stream and the session; idempotent and bounded. It never
         waits for a central ``next()`` in progress: the thread inside it pulls
         nothing more once that call returns."""
-        streams = [*self.segment_streams, self.stream]
-        # Flags first, without any lock: senders, pullers and waiters give up.
-        if self.session is not None:
-            self.session.abandoned = True
-        for stream in streams:
-            stream.stopping = True
+        self.abandon()  # flags first, without any lock
         if self.session is not None:
             self.session.notify()
+        streams = [*self.segment_streams, self.stream]
         for stream in streams:
             stream.stop()
         self._stop_session()

@@ -33,7 +33,7 @@ from centralpipe.stages.files import count_lines
 from centralpipe.stages.mix import Mix
 from centralpipe.stages.sources import FilesSource
 
-__all__ = ["Total", "chain_totals", "first_unknown"]
+__all__ = ["Total", "chain_totals", "exact_length", "first_unknown"]
 
 #: Stages between from_files and read_lines that keep the set of paths.
 SAME_PATHS = ("count", "shuffle")
@@ -117,3 +117,24 @@ def chain_totals(
 def first_unknown(totals: dict[str, Total | None], names: Sequence[str]) -> str | None:
     """The first of ``names`` whose total is unknown."""
     return next((name for name in names if totals.get(name) is None), None)
+
+
+def exact_length(totals: dict[str, Total | None], names: Sequence[str]) -> int:
+    """``len()`` of a pipeline whose stages are ``names``: its last stage's
+    exact total, else ``TypeError`` naming the stage that makes it unknown."""
+    total = totals[names[-1]]
+    if total is None:
+        blocker = first_unknown(totals, names)
+        msg = (
+            f"the length of this pipeline is not known without iterating: stage "
+            f"'{blocker}' changes the number of items or has no length."
+        )
+        raise TypeError(msg)
+    if not total.exact:
+        msg = (
+            f"the length of this pipeline is not known without iterating: stage "
+            f"'{total.bound_by}' may drop or merge items, so only an upper bound of "
+            f"{total.items} is known (loader.total())."
+        )
+        raise TypeError(msg)
+    return total.items

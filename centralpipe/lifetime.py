@@ -1,0 +1,89 @@
+"""What a Loader must release, and the finalizer that releases it.
+
+:class:`Resources` holds the worker pool, the current run, the pin thread,
+the central nodes (open files) and the chain lock, apart from the Loader, so
+that a ``weakref.finalize`` can release them once the Loader is garbage
+collected. ``close()`` runs the same code.
+
+The finalizer takes no lock. Garbage collection may run it in any thread, at
+any allocation, including in one of the Loader's own threads (the feeder in
+the middle of a central ``next()``, the supervisor, the pin thread, a thread
+worker) while that thread holds one of the Loader's locks; closing there
+would wait on a lock the thread itself holds. So in those threads it only
+sets the run's stop flags (plain attribute writes) and hands the close to a
+short-lived ``centralpipe-closer`` thread. Any other thread cannot hold the
+locks of a Loader nobody references (a thread inside the Loader's code keeps
+it alive), so there — the caller's ``close()``, garbage collection in the
+caller's thread, interpreter exit — it closes at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from centralpipe.dispatch.boundary import Run
+from centralpipe.dispatch.pinning import Pinner
+from centralpipe.dispatch.pool import Executor
+from centralpipe.stages import CentralNode
+
+__all__ = ["OWN_THREAD_PREFIX", "Resources"]
+
+#: The names of every thread centralpipe starts begin with this.
+OWN_THREAD_PREFIX = "centralpipe-"
+
+
+class Resources:
+    """See the module docstring."""
+
+    def __init__(self) -> None:
+        self.pool: Executor | None = None
+        self.run: Run | None = None
+        self.pinner: Pinner | None = None
+        self.nodes: list[CentralNode[Any]] = []
+        #: Held across every central ``next()`` (see dispatch.guard).
+        self.chain_lock = threading.Lock()
+
+    def end_run(self) -> None:
+        """Stop the current run (bounded). It stays registered until it has
+        stopped, so an interrupted stop is finished by the next call."""
+        run = self.run
+        if run is not None:
+            run.stop()
+            self.run = None
+
+    def finalize(self) -> None:
+        """The Loader's finalizer (and ``close()``); takes no lock in the
+        Loader's own threads (see the module docstring)."""
+        if not threading.current_thread().name.startswith(OWN_THREAD_PREFIX):
+            self.close()
+            return
+        run = self.run
+        if run is not None:
+            run.abandon()
+        closer = threading.Thread(target=self.close, name="centralpipe-closer", daemon=True)
+        try:
+            closer.start()
+        except RuntimeError:  # pragma: no cover - interpreter shutting down
+            pass
+
+    def close(self) -> None:
+        """Release everything, within bounded time; idempotent."""
+        # Each step runs even if an earlier one fails (e.g. Ctrl-C mid-drain).
+        try:
+            self.end_run()
+        finally:
+            try:
+                if self.pool is not None:
+                    pool, self.pool = self.pool, None
+                    pool.close()
+            finally:
+                if self.pinner is not None:
+                    self.pinner.close()
+                # Files are closed unless a stopped run's thread is still
+                # inside a central next(): then they close with the nodes.
+                if self.nodes and self.chain_lock.acquire(blocking=False):
+                    try:
+                        self.nodes[-1].release()
+                    finally:
+                        self.chain_lock.release()

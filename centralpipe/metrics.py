@@ -1,0 +1,69 @@
+"""``Loader.metrics()``: counters read without any wait.
+
+Every value is a plain attribute read (stage counters, stream statistics,
+the run's bookkeeping), taken without a lock: ``metrics()`` never waits for
+the central chain or a worker, and each value is exact as of its read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from centralpipe.config import WorkerConfig
+from centralpipe.dispatch.boundary import Run
+from centralpipe.dispatch.pool import Executor, ProcessPool
+from centralpipe.dispatch.reorder import StreamStats
+from centralpipe.stages import CentralNode, all_nodes
+
+__all__ = ["collect"]
+
+
+def collect(
+    nodes: Sequence[CentralNode[Any]],
+    stats: StreamStats,
+    segment_stats: Mapping[str, StreamStats],
+    workers: WorkerConfig,
+    run: Run | None,
+    pool: Executor | None,
+) -> dict[str, Any]:
+    """Per central stage items in/out and own time; ``"dispatch"``: buffer,
+    skipped items, worker restarts, items per worker and waiting times."""
+    out: dict[str, Any] = {}
+    in_flight = run.segment_in_flight() if run is not None else {}
+    for node in all_nodes(nodes):
+        out[node.name] = {
+            "items_in": node.source_items(),
+            "items_out": node.items_out,
+            "time_s": max(0.0, node.time_s - node.source_time_s()),
+        }
+        if node.name in segment_stats:
+            seg = segment_stats[node.name]
+            out[node.name]["parallel"] = {
+                "in_flight": in_flight.get(node.name, 0),
+                "chunk_size": seg.chunk_size,
+                "skipped": seg.skipped,
+                "items_per_worker": list(seg.items_per_worker),
+            }
+    s, w = stats, workers
+    in_chunk = run.delivered_in_chunk() if run is not None else 0
+    out["dispatch"] = {
+        "num_workers": w.num_workers,
+        "dispatched": s.dispatched,
+        "delivered": s.delivered + in_chunk,
+        "buffered": max(0, run.in_flight - in_chunk) if run is not None else 0,
+        "buffer_size": w.buffer_size,
+        "buffer_high_water": s.high_water,
+        "buffered_bytes": run.held_bytes() if run is not None else 0,
+        "buffer_bytes": w.buffer_bytes,
+        "buffered_bytes_high_water": s.bytes_high_water,
+        "chunk_size": s.chunk_size,
+        "skipped": s.skipped + sum(seg.skipped for seg in segment_stats.values()),
+        "restarts": s.restarts,
+        "items_per_worker": list(s.items_per_worker),
+        "wait_workers_s": s.wait_workers_s,
+        "wait_central_s": s.wait_central_s,
+    }
+    if isinstance(pool, ProcessPool):
+        out["dispatch"]["transport"] = pool.transport_bytes()
+    return out

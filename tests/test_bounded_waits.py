@@ -76,8 +76,11 @@ def _bounded(fn: Callable[[], Any], timeout_s: float = 20.0) -> Any:
 
 
 @pytest.fixture
-def short_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+def short_wait(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """A 0.3 s bound for the test; the returned function restores a long one
+    (for the calls after the blocked stage is released, on a busy machine)."""
     monkeypatch.setattr(guard, "CENTRAL_WAIT_S", 0.3)
+    return lambda: monkeypatch.setattr(guard, "CENTRAL_WAIT_S", 30.0)
 
 
 @pytest.mark.timeout(60)
@@ -118,8 +121,7 @@ def test_items_pulled_before_a_blocked_next_are_delivered_and_metrics_answer() -
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.usefixtures("short_wait")
-def test_readers_time_out_naming_the_blocked_stage() -> None:
+def test_readers_time_out_naming_the_blocked_stage(short_wait: Callable[[], None]) -> None:
     """state_dict(), query() and load_state_dict() give up after CENTRAL_WAIT_S
     with a TimeoutError naming the stage; nothing changed, and once the
     stage returns the checkpoint resumes exactly."""
@@ -137,6 +139,7 @@ def test_readers_time_out_naming_the_blocked_stage() -> None:
             _bounded(lambda: loader.load_state_dict(good))
         # nothing changed: the iterator goes on, and the position is exact
         got += [next(it) for _ in range(5)]
+        short_wait()
         src.release.set()
         sd = loader.state_dict()
         assert got + list(it) == expected
@@ -146,8 +149,7 @@ def test_readers_time_out_naming_the_blocked_stage() -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.usefixtures("short_wait")
-def test_a_new_pass_does_not_run_beside_a_blocked_next() -> None:
+def test_a_new_pass_does_not_run_beside_a_blocked_next(short_wait: Callable[[], None]) -> None:
     """A pass superseded while its feeder is stuck in next(): the next pass
     refuses to start (TimeoutError naming the stage, epoch unchanged) until
     that call returns, then delivers its whole epoch."""
@@ -160,6 +162,7 @@ def test_a_new_pass_does_not_run_beside_a_blocked_next() -> None:
         with pytest.raises(TimeoutError, match=r"starting a pass .*'src'"):
             _bounded(lambda: next(it))
         assert loader.epoch == 1
+        short_wait()
         src.release.set()
         assert collect(loader) == [2 * i for i in range(N)]
         assert loader.epoch == 2
@@ -191,8 +194,9 @@ class Gate:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.usefixtures("short_wait")
-def test_readers_waiting_for_a_parallel_stage_time_out_naming_it() -> None:
+def test_readers_waiting_for_a_parallel_stage_time_out_naming_it(
+    short_wait: Callable[[], None],
+) -> None:
     """A parallel stage waiting for a hung worker: state_dict() and query()
     raise TimeoutError naming it after the bound; close() does not wait."""
     gate = Gate(at=10)
@@ -214,6 +218,7 @@ def test_readers_waiting_for_a_parallel_stage_time_out_naming_it() -> None:
             _bounded(loader.state_dict)
         with pytest.raises(TimeoutError, match="'tok'"):
             _bounded(lambda: loader.query("c"))
+        short_wait()
         gate.release.set()
         sd = loader.state_dict()
         assert got + list(it) == expected

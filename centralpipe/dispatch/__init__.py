@@ -21,6 +21,7 @@ Modules, by role:
   round-robin; the drivers (inline, feeder thread, parallel stage).
 - ``reorder``    a :class:`~centralpipe.dispatch.reorder.Stream`: in-order
   delivery and the checkpoint capture of its in-flight inputs.
+- ``stamps``     the ``count``/``shard`` totals each dispatched item carries.
 - ``supervisor`` receiving every result; deaths, hangs, poison items, restarts.
 - ``budget``     the bytes of results held before their turn, and the bound
   on them (``buffer_bytes``): which streams may send, which workers are read.
@@ -117,5 +118,18 @@ waited for: it leaves when that call returns) → stop the supervisor → at
 close our pipe ends (workers read EOF) → join (``_JOIN_TIMEOUT_S``) →
 terminate → kill. Threads get an end-of-input marker and a short join; a
 thread stuck in user code is left as a daemon. ``close()`` is idempotent and
-a ``weakref.finalize`` runs it if the Loader is garbage collected.
+a ``weakref.finalize`` runs it if the Loader is garbage collected. The
+finalizer takes no lock: in one of the Loader's own threads (which may hold
+any of its locks when garbage collection runs it) it only sets the stop flags
+(``Run.abandon``) and hands the close to a ``centralpipe-closer`` thread
+(:mod:`centralpipe.lifetime`).
+
+Races the design rules out (each with a test that makes it happen,
+``tests/test_by_design.py``): a status read in the middle of the worker's
+write (the version counter); two readers changing the reader count at once
+(``_readers_lock``); Ctrl-C while the consumer waits for a result (the
+consumer never reads a pipe, so no message is cut in half and nothing is
+joined or replaced before the interrupt is re-raised); ``worker_states()``
+while a worker's output is full (results are read by the supervisor, not
+the caller, so the control message always gets through).
 """

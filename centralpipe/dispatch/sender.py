@@ -389,8 +389,10 @@ class FeederDriver(Driver):
 
     def _in_central(self) -> bool:
         """The feeder is inside a central ``next()`` (not sending to a worker)."""
-        found = busy_stage(self.stream._chain_nodes, self.thread.ident, _SEND_CODES)
-        return found is not None
+        ident = self.thread.ident
+        if ident is None:  # not started
+            return False
+        return busy_stage(self.stream._chain_nodes, ident, _SEND_CODES) is not None
 
     def _room(self) -> bool:
         return has_room(self.stream) and self.session.held.may_pull(self.stream)

@@ -38,7 +38,14 @@ import torch
 import torchdata
 
 import centralpipe as cp
-from centralpipe import bench_seed, bench_stages, bench_state, bench_transport, bench_workloads
+from centralpipe import (
+    bench_limit,
+    bench_seed,
+    bench_stages,
+    bench_state,
+    bench_transport,
+    bench_workloads,
+)
 from centralpipe.bench_contenders import (
     PEER_START_METHOD,
     STOCK_SOCKET_BUFFER_BYTES,
@@ -65,6 +72,12 @@ NOISY_SHARE = 0.10
 #: Workers of the cold ``cpu`` epoch.
 COLD_WORKERS = 2
 CAPPED = "centralpipe, capped socket buffers"
+LIMIT = "slot-pool limit"
+#: Workloads also run through the minimal slot-pool loader (bench_limit): item bytes.
+LIMIT_WORKLOADS = {
+    "tensor": bench_workloads.TENSOR_NUMEL * 4,
+    "tensor4m": bench_workloads.LARGE_NUMEL * 4,
+}
 
 
 # -- what else ran ---------------------------------------------------------------------
@@ -240,6 +253,14 @@ def _measure_cell(
     if w.name in TRANSPORT_WORKLOADS:
         capped = STOCK_SOCKET_BUFFER_BYTES
         contenders.insert(1, (CAPPED, lambda: run_centralpipe(w, k, start_method, capped)))
+    if w.name in LIMIT_WORKLOADS:
+        nbytes = LIMIT_WORKLOADS[w.name]
+
+        def limit() -> Timing:
+            total = bench_limit.run_slot_pool(w.fn, w.n, k, nbytes)
+            return Timing(w.n, 0.0, total)
+
+        contenders.insert(2, (LIMIT, limit))
     cell: dict[str, Timing] = {}
     for name, fn in contenders:
         _log(f"{w.name}: {name}, {k} worker(s)")
@@ -345,18 +366,23 @@ def _transport(res: Results) -> list[str]:
         "",
         "centralpipe on the large-buffer workloads, its worker pipes asking for the default "
         f"socket buffers and for a stock kernel's limit ({STOCK_SOCKET_BUFFER_BYTES:,} bytes), "
-        "in the same cell. shared memory: the share of the result bytes that came through "
-        "the workers' shared-memory rings (the rest went through the pipes).",
+        "in the same cell. slot-pool limit: a minimal loader that only moves the same "
+        "tensors through a pool of shared-memory slots, in order (`bench_limit`): what the "
+        "machine allows at the time. shared memory: the share of the result bytes that came "
+        "through the workers' shared-memory rings (the rest went through the pipes).",
         "",
         "| workload | workers | items/s | capped items/s | capped / default | capped / DL "
-        "| shared memory (default / capped) |",
-        "|---|--:|--:|--:|--:|--:|--:|",
+        "| slot-pool limit items/s | cp / limit | shared memory (default / capped) |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for (wname, k), cell in rows:
         c, cap, d = cell["centralpipe"], cell[CAPPED], cell["DataLoader"]
+        lim = cell.get(LIMIT)
+        limit = f"| {_rate(lim.rate)} | {_ratio(c.rate, lim.rate)} " if lim else "| — | — "
         lines.append(
             f"| {wname} | {k} | {_rate(c.rate)} | {_rate(cap.rate)} | {_ratio(cap.rate, c.rate)} "
-            f"| {_ratio(cap.rate, d.rate)} | {_share(c.shm_share)} / {_share(cap.shm_share)} |"
+            f"| {_ratio(cap.rate, d.rate)} {limit}"
+            f"| {_share(c.shm_share)} / {_share(cap.shm_share)} |"
         )
     return lines
 
@@ -422,6 +448,15 @@ def _targets(res: Results) -> list[tuple[str, str, bool]]:
                     rate / dl >= TENSOR_VS_DL,
                 )
             )
+            if LIMIT in cell:
+                r = rate / cell[LIMIT].rate
+                out.append(
+                    (
+                        f"tensor, 2 workers{label}: >= 70 % of the slot-pool limit, same run",
+                        f"{r:.0%}",
+                        r >= 0.7,
+                    )
+                )
     arrays = res.cells.get(("numpy", 2))
     if cell and arrays:
         r = arrays["centralpipe"].rate / cell["centralpipe"].rate

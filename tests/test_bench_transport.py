@@ -117,3 +117,25 @@ def test_targets_cover_tensor_numpy_and_the_cold_epoch() -> None:
     assert len(cold) == 1 and got[cold[0]] is False  # 1.25x
     text = bench.report(res)
     assert "## Transport" in text and "| tensor | 2 | 30,000 | 20,000 | 0.67x |" in text
+    res.cells[("tensor", 2)][bench.LIMIT] = _timing(40_000)
+    got = {name: ok for name, _, ok in bench._targets(res)}
+    assert got["tensor, 2 workers: >= 70 % of the slot-pool limit, same run"] is True  # 75 %
+    assert (
+        got["tensor, 2 workers, socket buffers capped: >= 70 % of the slot-pool limit, same run"]
+        is False
+    )
+
+
+def wrong_tensor(i: int) -> torch.Tensor:
+    """A 256 KiB tensor that is not item ``i``."""
+    return torch.full((bench_workloads.TENSOR_NUMEL,), float(i + 1))
+
+
+def test_slot_pool_limit_checks_each_item() -> None:
+    """The minimal slot-pool loader moves items in order and refuses wrong ones."""
+    from centralpipe import bench_limit
+
+    nbytes = bench_workloads.TENSOR_NUMEL * 4
+    assert bench_limit.run_slot_pool(bench_workloads.full_tensor, 60, 2, nbytes) > 0
+    with pytest.raises(RuntimeError, match=r"item 0 arrived as 1\.0"):
+        bench_limit.run_slot_pool(wrong_tensor, 60, 2, nbytes)

@@ -197,6 +197,42 @@ def test_writer_never_overwrites_what_is_not_released() -> None:
         ring.close()
 
 
+def test_writer_waits_for_room_once_while_nothing_is_released(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A full ring makes the writer wait (bounded) for a release once; while
+    nothing is released it does not wait again; a release ends that."""
+    import select
+
+    waits: list[float] = []
+    real_select = select.select
+
+    def counting_select(r: Any, w: Any, x: Any, timeout: float) -> Any:
+        waits.append(timeout)
+        return real_select(r, w, x, timeout)
+
+    monkeypatch.setattr(shm.select, "select", counting_select)
+    ring, writer = _pair()
+    block = 256 * 1024
+    try:
+        for k in range(4):
+            assert writer.place(memoryview(bytes([k]) * block)) == k * block
+        assert not waits
+        assert writer.place(memoryview(b"x" * block)) == -1
+        assert waits and sum(waits) <= shm.ROOM_WAIT_S + 1e-6
+        count = len(waits)
+        for _ in range(20):
+            assert writer.place(memoryview(b"x" * block)) == -1
+        assert len(waits) == count  # stalled: no more waiting
+        ring.take(0, block)
+        ring.release(block)
+        assert writer.place(memoryview(b"y" * block)) == 4 * block
+        assert writer.place(memoryview(b"z" * block)) == -1  # full again: waits again
+        assert len(waits) > count
+    finally:
+        ring.close()
+
+
 def test_reader_refuses_positions_outside_the_written_part() -> None:
     """A position the worker cannot have written (released, or beyond the
     ring) is an EOFError, as for a dead worker, never a read."""

@@ -227,6 +227,9 @@ class RingWriter:
         os.set_blocking(release_fd, False)
         self.head = 0  # ring position of the next free byte
         self.released = 0  # what the main process has copied out, as last heard
+        # A wait for room timed out and nothing was released since: the main
+        # process is not reading us (it holds enough results); do not wait again.
+        self._stalled = False
 
     def _drain(self) -> None:
         while True:
@@ -239,7 +242,9 @@ class RingWriter:
             if len(data) < _POS.size:
                 return  # b"": the main process closed it (gone, or replaced us)
             end = _POS.unpack_from(data, len(data) - _POS.size)[0]
-            self.released = max(self.released, end)
+            if end > self.released:
+                self.released = end
+                self._stalled = False
             if len(data) < _DRAIN_BYTES:
                 return
 
@@ -262,14 +267,18 @@ class RingWriter:
     def _wait_room(self, n: int) -> int:
         """Where ``n`` bytes fit once the main process has released enough,
         waiting at most ``ROOM_WAIT_S`` while earlier results are being
-        copied out; -1 if they do not fit by then."""
+        copied out; -1 if they do not fit by then. After a wait that found no
+        room, the next ones do not wait until something is released."""
         deadline = time.monotonic() + ROOM_WAIT_S
         while True:
             self._drain()
             start = self._fit(n)
             left = deadline - time.monotonic()
-            if start >= 0 or left <= 0 or self.released >= self.head:
+            if start >= 0 or self._stalled or self.released >= self.head:
                 return start  # (nothing in flight: waiting cannot make room)
+            if left <= 0:
+                self._stalled = True
+                return -1
             try:
                 select.select([self._release], [], [], left)
             except (OSError, ValueError):  # pragma: no cover - closed meanwhile

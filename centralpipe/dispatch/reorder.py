@@ -153,8 +153,6 @@ class Stream:
         self.broken = False
         self.stopping = False
         self.cost_per_item = 0.0
-        #: Large result bytes per input item, as measured (0: unknown or none).
-        self.bytes_per_item = 0.0
         self._burst = 1
         self._readers = 0
         self._readers_lock = threading.Lock()  # += on an int is not atomic
@@ -189,11 +187,6 @@ class Stream:
 
     def stamped_nodes(self) -> list[CentralNode[Any]]:
         return self._stamped
-
-    def note_result_bytes(self, per_item: float) -> None:
-        """A result's large buffers came to ``per_item`` bytes per input item."""
-        old = self.bytes_per_item
-        self.bytes_per_item = per_item if old <= 0 else 0.7 * old + 0.3 * per_item
 
     def accept(self, chunk: Chunk, result: ChunkResult) -> ChunkResult:
         """Bookkeeping for a chunk's result before it is delivered."""

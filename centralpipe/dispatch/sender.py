@@ -50,7 +50,7 @@ LOCK_SLICE_S = 0.0005
 #: Work per chunk the adaptive chunk size aims at.
 TARGET_CHUNK_S = 0.005
 MAX_CHUNK = 1024
-#: Most large result bytes per chunk (as measured): a quarter of the default
+#: Most result bytes per chunk (as measured): a quarter of the default
 #: shared-memory ring, so a worker writes its next results while the main
 #: process copies out the previous ones.
 MAX_CHUNK_RESULT_BYTES = 16 * 2**20
@@ -73,8 +73,9 @@ def _chunk_target(s: Stream) -> int:
         n = FIRST_CHUNK
     else:
         n = max(1, min(MAX_CHUNK, int(TARGET_CHUNK_S / s.cost_per_item)))
-        if s.bytes_per_item > 0:
-            n = max(1, min(n, int(MAX_CHUNK_RESULT_BYTES / s.bytes_per_item)))
+        per_item = s.stats.bytes_per_item  # measured by dispatch.budget; < 0: not yet
+        if per_item > 0:
+            n = max(1, min(n, int(MAX_CHUNK_RESULT_BYTES / per_item)))
     if s.buffer_size is not None:
         n = min(n, max(1, s.buffer_size // (2 * s.parallelism)))
     return n

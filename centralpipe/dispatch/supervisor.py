@@ -168,8 +168,6 @@ class Session:
                 result = protocol.unseal_outputs(result, stage, stream.dispatch_name)
             stream.stats.items_per_worker[slot.index] += len(chunk.items)
             self.held.add(stream, chunk, nbytes)
-            if nbytes and chunk.items:
-                stream.note_result_bytes(nbytes / len(chunk.items))
             chunk.result = stream.accept(chunk, result)
             self.notify()
         elif msg[0] == MSG_STATES:

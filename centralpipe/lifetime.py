@@ -68,15 +68,19 @@ class Resources:
             pass
 
     def close(self) -> None:
-        """Release everything, within bounded time; idempotent."""
-        # Each step runs even if an earlier one fails (e.g. Ctrl-C mid-drain).
+        """Release everything, within bounded time; idempotent. A call cut
+        short (Ctrl-C) is finished by the next: each part stays registered
+        until it is released."""
+        # Each step runs even if an earlier one fails (e.g. Ctrl-C mid-drain),
+        # but the pool only once the run's threads, which use it, are stopped.
         try:
             self.end_run()
         finally:
             try:
+                self.end_run()
                 if self.pool is not None:
-                    pool, self.pool = self.pool, None
-                    pool.close()
+                    self.pool.close()
+                    self.pool = None
             finally:
                 if self.pinner is not None:
                     self.pinner.close()

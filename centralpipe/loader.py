@@ -451,24 +451,31 @@ class Loader(Generic[T]):
         pool = self._res.pool
         if pool is None or pool.kind != "process":
             return []
+        from multiprocessing.connection import wait
+
         pids = []
         for slot in pool.slots:
             proc = slot.process  # read once: the supervisor may be replacing it
             try:
-                if proc is not None and proc.is_alive():
+                # Its sentinel, not is_alive(): under forkserver is_alive()
+                # reads the exit status from the sentinel, and a read racing
+                # the supervisor's would block forever once the other took it.
+                if proc is not None and not wait([proc.sentinel], 0):
                     pids.append(proc.pid)
-            except ValueError:  # closed by a concurrent replacement
+            except (ValueError, OSError):  # closed by a concurrent replacement
                 continue
         return pids
 
     # -- lifetime ------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the workers and the feeder, close files; idempotent."""
-        if self._closed:
-            return
+        """Stop the workers and the feeder, close files; idempotent. A
+        ``close()`` cut short by Ctrl-C is finished by the next one (or, at
+        the latest, by the finalizer)."""
         self._closed = True
-        self._finalizer()
+        if self._finalizer.alive:
+            self._res.close()
+            self._finalizer.detach()
 
     def __enter__(self) -> Loader[T]:
         return self

@@ -137,6 +137,7 @@ class Executor(abc.ABC):
         self.spec = spec
         self.slots = [Slot(i) for i in range(num_workers)]
         self.closed = False
+        self.shut = False
         #: Measure the bytes of results (set by the run when it bounds them).
         self.measure = False
 
@@ -190,7 +191,9 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Stop every worker within bounded time; idempotent."""
+        """Stop every worker within bounded time; idempotent. A close cut
+        short (Ctrl-C) is finished by the next call: ``closed`` is set first
+        (senders give up), ``shut`` once everything is released."""
 
 
 class ProcessPool(Executor):
@@ -385,7 +388,7 @@ class ProcessPool(Executor):
             return None
 
     def close(self) -> None:
-        if self.closed:
+        if self.shut:
             return
         self.closed = True
         self.current_run.value = ABANDON_ALL
@@ -405,6 +408,7 @@ class ProcessPool(Executor):
             self._close_ring(slot)
         self._wake_r.close()
         self._wake_w.close()
+        self.shut = True
 
 
 class ThreadPool(Executor):
@@ -521,7 +525,7 @@ class ThreadPool(Executor):
         return "stopped (its thread ended)"
 
     def close(self) -> None:
-        if self.closed:
+        if self.shut:
             return
         self.closed = True
         self.current_run.value = ABANDON_ALL
@@ -534,6 +538,7 @@ class ThreadPool(Executor):
             if slot.process is not None:
                 slot.process.join(_THREAD_JOIN_TIMEOUT_S)
                 slot.process = None
+        self.shut = True
 
 
 def _close_death(slot: Slot) -> None:
@@ -566,6 +571,11 @@ def _grow_socket_buffers(conn: Connection) -> None:
 def _reap(proc: Any, graceful: bool = False) -> int | None:
     """Make sure ``proc`` has exited: join, then terminate, then kill."""
     if proc is None:
+        return None
+    try:
+        if proc.pid is None:  # never started, or its close() was cut short
+            return None
+    except ValueError:  # closed: reaped already (by a close cut short)
         return None
     if graceful:
         proc.join(_JOIN_TIMEOUT_S)

@@ -215,6 +215,8 @@ class ProcessPool(Executor):
         # A pipe to ourselves: interrupt() makes wait() return at once.
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
         self._paused: frozenset[int] = frozenset()
+        #: Every pipe end opened for a worker and maybe not yet closed.
+        self._ends: list[Connection] = []
         if start_method == "forkserver":
             warm_up(start_method)
 
@@ -229,6 +231,11 @@ class ProcessPool(Executor):
     def _start(self, slot: Slot) -> None:
         parent, child = self.ctx.Pipe(duplex=True)
         death_r, death_w = self.ctx.Pipe(duplex=False)
+        # Registered at once: an interrupt (Ctrl-C) between any two lines
+        # below leaves no end open past close(). Closed ends are dropped, so
+        # the list does not grow with restarts.
+        self._ends = [c for c in self._ends if not c.closed]
+        self._ends += [parent, child, death_r, death_w]
         ring = None
         try:
             for conn in (parent, child):
@@ -406,6 +413,8 @@ class ProcessPool(Executor):
                 slot.process = None
             _close_death(slot)
             self._close_ring(slot)
+        for end in self._ends:
+            end.close()
         self._wake_r.close()
         self._wake_w.close()
         self.shut = True

@@ -48,8 +48,11 @@ def test_straggler_keeps_held_bytes_under_the_bound(executor: str) -> None:
     assert out == list(range(n))
     assert d["buffer_bytes"] == BOUND
     assert d["buffered_bytes"] == 0
-    # The bound was reached (the straggler held everything up) and kept.
-    assert BOUND <= d["buffered_bytes_high_water"] <= BOUND + 2 * (RESULT + 4096)
+    # The straggler held results up, and the bound was kept. The sending side
+    # counts the bytes that the items queued behind the straggler will bring,
+    # so the held bytes alone may stop short of the bound by those (a number
+    # that depends on timing): the lower check is half the bound.
+    assert BOUND // 2 <= d["buffered_bytes_high_water"] <= BOUND + 2 * (RESULT + 4096)
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)

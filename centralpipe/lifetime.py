@@ -20,6 +20,7 @@ caller's thread, interpreter exit — it closes at once.
 from __future__ import annotations
 
 import threading
+from multiprocessing.connection import wait
 from typing import Any
 
 from centralpipe.dispatch.boundary import Run
@@ -51,6 +52,24 @@ class Resources:
         if run is not None:
             run.stop()
             self.run = None
+
+    def worker_pids(self) -> list[int]:
+        """Process ids of the live worker processes."""
+        pool = self.pool
+        if pool is None or pool.kind != "process":
+            return []
+        pids = []
+        for slot in pool.slots:
+            proc = slot.process  # read once: the supervisor may be replacing it
+            try:
+                # Its sentinel, not is_alive(): under forkserver is_alive()
+                # reads the exit status from the sentinel, and a read racing
+                # the supervisor's would block forever once the other took it.
+                if proc is not None and not wait([proc.sentinel], 0):
+                    pids.append(proc.pid)
+            except (ValueError, OSError):  # closed by a concurrent replacement
+                continue
+        return pids
 
     def finalize(self) -> None:
         """The Loader's finalizer (and ``close()``); takes no lock in the

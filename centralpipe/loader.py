@@ -24,7 +24,7 @@ from centralpipe.dispatch.worker import WorkerSpec
 from centralpipe.errors import PipelineError
 from centralpipe.launchers import warn_if_duplicating
 from centralpipe.lifetime import Resources
-from centralpipe.pipeline import WORKER_KINDS, Pipeline
+from centralpipe.pipeline import Pipeline
 from centralpipe.stages import (
     Count,
     Parallel,
@@ -350,31 +350,15 @@ class Loader(Generic[T]):
 
     def _expected(self) -> checkpoint.Expected:
         dist = self._config.distributed
-        return checkpoint.Expected(
-            fingerprint=self._pipe.fingerprint(),
+        return resume.expected(
+            self._pipe,
+            self._nodes,
+            self._ctx,
             seed=self._config.seed,
             rank=dist.rank,
             world_size=dist.world_size,
-            nodes=list(self._nodes),
-            boundaries=[*(n.name for n in self._segments), self._boundary],
-            tip=self._boundary,
-            segments={
-                n.name: ([m for m in n.chain()[:-1] if m.stamped], n.kind == "flat_map")
-                for n in self._segments
-            },
-            stamped=self._stamped,
-            multi_output=any(
-                WORKER_KINDS[s.kind].outputs == "any" for s in self._pipe.worker_stages
-            ),
-            length=self._central_bound(),
+            boundary=self._boundary,
         )
-
-    def _central_bound(self) -> int | None:
-        """At most how many items the central chain yields per epoch (files are
-        not read: a load must not count a corpus's lines)."""
-        specs = self._pipe.central_stages
-        total = chain_totals(self._nodes, specs, self._ctx, count_files=False)[specs[-1].name]
-        return None if total is None else total.items
 
     # -- queries -----------------------------------------------------------------
 
@@ -448,23 +432,7 @@ class Loader(Generic[T]):
     def worker_pids(self) -> list[int]:
         """Process ids of the live workers (empty before the first iteration
         and with ``num_workers=0``), e.g. for monitoring."""
-        pool = self._res.pool
-        if pool is None or pool.kind != "process":
-            return []
-        from multiprocessing.connection import wait
-
-        pids = []
-        for slot in pool.slots:
-            proc = slot.process  # read once: the supervisor may be replacing it
-            try:
-                # Its sentinel, not is_alive(): under forkserver is_alive()
-                # reads the exit status from the sentinel, and a read racing
-                # the supervisor's would block forever once the other took it.
-                if proc is not None and not wait([proc.sentinel], 0):
-                    pids.append(proc.pid)
-            except (ValueError, OSError):  # closed by a concurrent replacement
-                continue
-        return pids
+        return self._res.worker_pids()
 
     # -- lifetime ------------------------------------------------------------------
 

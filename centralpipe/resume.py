@@ -13,12 +13,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from centralpipe import checkpoint
 from centralpipe.checkpoint import FORMAT_VERSION
 from centralpipe.dispatch.boundary import StreamPlan, empty_segment_entry
 from centralpipe.dispatch.protocol import InFlight
-from centralpipe.stages import CentralNode, Shard
+from centralpipe.pipeline import WORKER_KINDS, Pipeline
+from centralpipe.stages import CentralNode, Parallel, RunContext, Shard
+from centralpipe.stages.totals import chain_totals
 
-__all__ = ["assemble", "copy_state", "delivered", "idle_body", "plans", "tuplify"]
+__all__ = ["assemble", "copy_state", "delivered", "expected", "idle_body", "plans", "tuplify"]
 
 
 def idle_body(segments: Sequence[str], nodes: Sequence[CentralNode[Any]]) -> dict[str, Any]:
@@ -77,6 +80,47 @@ def assemble(
             "delivered": body["delivered"],
         },
     }
+
+
+def expected(
+    pipe: Pipeline,
+    nodes: Sequence[CentralNode[Any]],
+    ctx: RunContext,
+    *,
+    seed: int,
+    rank: int,
+    world_size: int,
+    boundary: str,
+) -> checkpoint.Expected:
+    """What a checkpoint loaded into this pipeline must match
+    (:func:`centralpipe.checkpoint.check_pipeline`)."""
+    segments = [n for n in nodes if isinstance(n, Parallel)]
+    return checkpoint.Expected(
+        fingerprint=pipe.fingerprint(),
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        nodes=list(nodes),
+        boundaries=[*(n.name for n in segments), boundary],
+        tip=boundary,
+        segments={
+            n.name: ([m for m in n.chain()[:-1] if m.stamped], n.kind == "flat_map")
+            for n in segments
+        },
+        stamped=[n for n in nodes if n.stamped],
+        multi_output=any(WORKER_KINDS[s.kind].outputs == "any" for s in pipe.worker_stages),
+        length=_central_bound(pipe, nodes, ctx),
+    )
+
+
+def _central_bound(
+    pipe: Pipeline, nodes: Sequence[CentralNode[Any]], ctx: RunContext
+) -> int | None:
+    """At most how many items the central chain yields per epoch (files are
+    not read: a load must not count a corpus's lines)."""
+    specs = pipe.central_stages
+    total = chain_totals(nodes, specs, ctx, count_files=False)[specs[-1].name]
+    return None if total is None else total.items
 
 
 def _pre_shard_index(stamped: Sequence[CentralNode[Any]], stamp: Any) -> int | None:

@@ -105,8 +105,13 @@ class Resources:
                     self.pinner.close()
                 # Files are closed unless a stopped run's thread is still
                 # inside a central next(): then they close with the nodes.
-                if self.nodes and self.chain_lock.acquire(blocking=False):
-                    try:
+                # Taken inside the try (an interrupt between taking it and
+                # the try would keep the chain locked for good).
+                got = False
+                try:
+                    got = bool(self.nodes) and self.chain_lock.acquire(blocking=False)
+                    if got:
                         self.nodes[-1].release()
-                    finally:
+                finally:
+                    if got:
                         self.chain_lock.release()

@@ -324,22 +324,25 @@ class Loader(Generic[T]):
         # fails (a re-iterable that got shorter, a user's node) rolls back.
         before = self._state("load_state_dict()")
         self._res.end_run()
-        guard = hold(self._res.chain_lock, "load_state_dict()", self._nodes)
+        # A `with`: no point between taking the chain lock and guarding its
+        # release where an interrupt (Ctrl-C) could land.
+        entered = False
         try:
-            guard.acquire()
+            with hold(self._res.chain_lock, "load_state_dict()", self._nodes):
+                entered = True
+                try:
+                    self._restore(resume.copy_state(state_dict))
+                except BaseException:
+                    self._resume = None
+                    self._restore(before)
+                    raise
         except TimeoutError:
+            if entered:
+                raise
             # The stopped run's feeder is still inside a central next(): keep
             # the position as it was; the stages are restored at the next start.
             self._resume, self._reload = before, True
             raise
-        try:
-            self._restore(resume.copy_state(state_dict))
-        except BaseException:
-            self._resume = None
-            self._restore(before)
-            raise
-        finally:
-            guard.release()
 
     def _restore(self, sd: dict[str, Any]) -> None:
         self._ctx.epoch = sd["epoch"]

@@ -127,11 +127,16 @@ def pull_chunk(s: Stream) -> Chunk | None:
             # Lock hand-off is not fair: drop the GIL so a waiting
             # state_dict()/query() gets the lock before we take it again.
             time.sleep(0)
-        if not chain_lock.acquire(timeout=POLL_S):
-            if s.stopping:
-                break
-            continue  # a reader, or a stopped run's thread still in next()
+        # Taken inside the try and noted in one statement: an interrupt
+        # (Ctrl-C) between taking it and entering the try would keep the
+        # chain locked for good (every state_dict() would time out).
+        acquired = False
         try:
+            acquired = chain_lock.acquire(timeout=POLL_S)
+            if not acquired:
+                if s.stopping:
+                    break
+                continue  # a reader, or a stopped run's thread still in next()
             if s.stopping:
                 break
             t0 = time.perf_counter()
@@ -197,7 +202,8 @@ def pull_chunk(s: Stream) -> Chunk | None:
                     s.stats.dispatched += len(items)
                     return chunk
         finally:
-            chain_lock.release()
+            if acquired:
+                chain_lock.release()
     # stopping: leave the chunk in pending (the run is abandoned anyway)
     return None
 

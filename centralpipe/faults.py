@@ -1,13 +1,15 @@
 """Deterministic fault injection for the soak: interrupts and damaged checkpoints.
 
 :class:`Interrupts` raises ``KeyboardInterrupt`` in the calling thread inside
-a call, at the ``k``-th Python event (a function call or a new line) the call
-runs in centralpipe's own code (see ``_PACKAGE_DIR`` for why not elsewhere),
+a call, at the entry of the ``k``-th Python function (or generator
+resumption) of centralpipe's own code the call runs (see ``_PACKAGE_DIR``),
 ``k`` drawn from a seeded ``random.Random``: the same seed lands the interrupt
-at the same point of the same code path. It lands where a Ctrl-C would (the
-main thread, between two lines of Python), never in the feeder, supervisor or
-worker threads, which a Ctrl-C never reaches either. A call that ends before its
-``k``-th event is counted as *missed*.
+at the same point of the same code path. It lands where a Ctrl-C does: in the
+main thread, at a function's entry, where CPython checks for signals (a signal
+is not handled between the lines of a ``finally`` clause or of a ``with``
+statement's exit, so injecting there would model no real interrupt), and never
+in the feeder, supervisor or worker threads, which a Ctrl-C never reaches. A
+call that ends before its ``k``-th event is counted as *missed*.
 
 :func:`damage` returns a copy of a checkpoint with one defect that no valid
 checkpoint has: a value of the wrong type, a negative or out-of-range int, a
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import linecache
 import math
 import os
 import random
@@ -44,25 +45,6 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _SHIELDED_NAMES = frozenset({"__enter__", "__exit__"})
 
 
-def _in_with_machinery(frame: FrameType, seen: dict[int, tuple[int, set[int]]]) -> bool:
-    """Whether a line event is the tracer's view of a ``with`` statement's
-    own machinery rather than a point between two lines: a line traced again
-    right after a call from it returns (a Python ``__enter__`` took its lock),
-    or a ``with`` line traced again when its block ends (``__exit__`` not yet
-    called). A real Ctrl-C cannot land at either point (CPython checks for
-    signals at calls and backward jumps); an interrupt raised there would leave
-    the lock held, so it lands at the next event instead."""
-    last, lines = seen.setdefault(id(frame), (-1, set()))
-    line = frame.f_lineno
-    again = line in lines
-    lines.add(line)
-    seen[id(frame)] = (line, lines)
-    if line == last:
-        return True
-    text = linecache.getline(frame.f_code.co_filename, line).lstrip()
-    return again and text.startswith(("with ", "async with "))
-
-
 def _shielded(frame: FrameType) -> bool:
     code = frame.f_code
     return not code.co_filename.startswith(_PACKAGE_DIR) or code.co_name in _SHIELDED_NAMES
@@ -75,7 +57,7 @@ T = TypeVar("T")
 #: Interrupts land at a log-uniform event index in [1, MAX_EVENTS]: early
 #: and deep points of short calls and of long ones (a first ``next()`` that
 #: starts workers runs thousands of events).
-MAX_EVENTS = 20_000
+MAX_EVENTS = 5_000
 #: Keys whose values are user data (items, buffers, RNG state): never damaged.
 PAYLOAD_KEYS = frozenset({"items", "buffer", "heap", "batch", "rng", "stamps"})
 #: Keys whose values may legitimately be any number (``count`` weights); the
@@ -104,30 +86,30 @@ class Interrupts:
     Ctrl-C must reach the caller as ``KeyboardInterrupt``).
     """
 
-    def __init__(self, rng: random.Random) -> None:
+    def __init__(self, rng: random.Random, enabled: bool = True) -> None:
         self.rng = rng
+        self.enabled = enabled
         self.landed: Counter[str] = Counter()
         self.missed: Counter[str] = Counter()
         self.converted: Counter[str] = Counter()
 
     def call(self, where: str, fn: Callable[[], T], max_events: int = MAX_EVENTS) -> T:
         """``fn()`` with an interrupt at a log-uniform random event in
-        ``[1, max_events]``; re-raised when it lands."""
+        ``[1, max_events]``; re-raised when it lands. Disabled: ``fn()``."""
+        if not self.enabled:
+            return fn()
         k = int(math.exp(self.rng.uniform(0.0, math.log(max_events))))
         fired = False
         count = 0
         pid = os.getpid()
-        seen: dict[int, tuple[int, set[int]]] = {}
 
         def trace(frame: FrameType, event: str, arg: Any) -> Any:
             nonlocal count, fired
             if os.getpid() != pid:  # a worker forked meanwhile inherited the hook
                 sys.settrace(None)
                 return None
-            if event not in ("call", "line"):
-                return trace
-            if event == "line" and _in_with_machinery(frame, seen):
-                return trace
+            if event != "call":
+                return None  # no line events: only function entries count
             count += 1
             if count >= k and not fired and not _shielded(frame):
                 fired = True

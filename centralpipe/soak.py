@@ -54,7 +54,7 @@ RAISE_MOD, RAISE_AT = 97, 13
 #: first, which starts the workers), in ``state_dict()`` and in ``close()``.
 P_INTERRUPT_ITER, P_INTERRUPT_STATE, P_INTERRUPT_CLOSE = 0.5, 0.5, 0.5
 #: Interrupts in a ``next()`` after the first land within this many events.
-LATER_NEXT_EVENTS = 100
+LATER_NEXT_EVENTS = 30
 #: Chance, per loader, of loading damaged checkpoints (fresh, pending, live).
 P_DAMAGE = 0.5
 #: A round (one epoch over several loaders) longer than this is a hang.
@@ -385,12 +385,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--minutes", type=float, default=5.0, help="how long to run (default 5)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-interrupts",
+        action="store_true",
+        help="inject no KeyboardInterrupt (kills, raises and damaged checkpoints only)",
+    )
     args = parser.parse_args(argv)
     logging.getLogger("centralpipe").setLevel(
         logging.ERROR if not os.environ.get("SOAK_VERBOSE") else logging.WARNING
     )
     rng = random.Random(args.seed)
-    inject = faults.Interrupts(random.Random(rng.randrange(2**32)))
+    inject = faults.Interrupts(random.Random(rng.randrange(2**32)), enabled=not args.no_interrupts)
     totals = Totals()
     # Start the forkserver (and resource tracker) first: they live for the
     # whole process and are not leaks.

@@ -46,19 +46,20 @@ class Holding:
         self.what = what
         self.nodes = nodes
 
-    def acquire(self) -> None:
+    # The lock's own acquire and release are called right here, not through
+    # helper methods: a Ctrl-C is taken at the entry of a Python function, and
+    # one landing at the entry of a helper called from ``__exit__`` would keep
+    # the chain locked for good (every later pass and state_dict() then times
+    # out). Between the C-level acquire and the ``with`` block, and in here
+    # before the release, no Python function is entered.
+
+    def __enter__(self) -> None:
         started = time.monotonic()
         if not self.lock.acquire(timeout=CENTRAL_WAIT_S):
             raise TimeoutError(_busy_text(self.what, self.nodes, time.monotonic() - started))
 
-    def release(self) -> None:
-        self.lock.release()
-
-    def __enter__(self) -> None:
-        self.acquire()
-
     def __exit__(self, *exc: object) -> None:
-        self.release()
+        self.lock.release()
 
 
 def hold(lock: threading.Lock, what: str, nodes: Sequence[Any]) -> Holding:

@@ -340,6 +340,9 @@ def _one_round(rng: random.Random, totals: Totals, tmp: Path, inject: faults.Int
                     _refuse_damaged(loader, loader.state_dict(), rng, totals, live=True)
                 i += 1
             state = _state(loader, inject, rng)
+            # An interrupt in the next() that would have ended the epoch
+            # lands after every item was delivered: the state says finished.
+            finished = finished or bool(state.get("finished"))
             m = loader.metrics()["dispatch"]
             totals.restarts += m["restarts"]
             totals.skipped += m["skipped"]

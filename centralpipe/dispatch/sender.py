@@ -165,10 +165,12 @@ def pull_chunk(s: Stream) -> Chunk | None:
                         for _ in range(burst):
                             if s.stopping:  # a next() that blocked may have outlived the run
                                 break
-                            item = nxt()
+                            # Appended before it is stamped: an interrupt at
+                            # the stamp's call would otherwise drop the item
+                            # the chain has just produced (a whole batch).
+                            append(nxt())
                             if stamps is not None:
                                 stamps.append(s._stamp_now())
-                            append(item)
                     if time.perf_counter() > slice_end or s.stopping:
                         break
             except StopIteration:
@@ -176,6 +178,10 @@ def pull_chunk(s: Stream) -> Chunk | None:
             except BaseException as exc:  # a central stage failed
                 error = exc
                 exhausted = True
+                if stamps is not None and len(stamps) < len(items):
+                    # Interrupted between the pull and its stamp: no stage
+                    # has moved since, so the stamp now is that item's.
+                    stamps.append(s._stamp_now())
             added = len(items) - before
             now = time.perf_counter()
             if added:

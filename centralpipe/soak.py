@@ -341,8 +341,10 @@ def _one_round(rng: random.Random, totals: Totals, tmp: Path, inject: faults.Int
                 i += 1
             state = _state(loader, inject, rng)
             # An interrupt in the next() that would have ended the epoch
-            # lands after every item was delivered: the state says finished.
-            finished = finished or bool(state.get("finished"))
+            # lands after every item was delivered: the state says this
+            # round's epoch (each fresh loader's first, 1) is finished. An
+            # interrupted start puts the epoch back: epoch 0, finished.
+            finished = finished or (bool(state.get("finished")) and state.get("epoch") == 1)
             m = loader.metrics()["dispatch"]
             totals.restarts += m["restarts"]
             totals.skipped += m["skipped"]

@@ -15,9 +15,7 @@ Each rank writes what it saw to ``OUT_DIR/<PHASE>-rank<r>.json``.
 
 from __future__ import annotations
 
-import json
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import centralpipe as cp
+from tests._torchrun import rank_main
 
 EQUALIZE = ("drop_last", "pad")
 WORDS = [("w" * (1 + (7 * i) % 5)) for i in range(63)]  # as in tests/test_elastic.py
@@ -82,7 +81,6 @@ def dcp_recipes(equalize: str, loader: cp.Loader[Any], out: Path, workers: int) 
 
 
 def run_rank(out: Path, phase: int, steps: int, workers: int) -> dict[str, Any]:
-    dist.init_process_group("gloo")
     result: dict[str, Any] = {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
     for equalize in EQUALIZE:
         with cp.Loader(make_pipe(equalize), config(workers)) as loader:
@@ -103,23 +101,12 @@ def run_rank(out: Path, phase: int, steps: int, workers: int) -> dict[str, Any]:
             result[equalize] = {"items": got, "position": merged["position"]}
             if phase == 0:
                 result[equalize]["dcp"] = dcp_recipes(equalize, loader, out, workers)
-    dist.barrier()
     return result
 
 
 def main() -> int:
     out, phase, steps, workers = Path(sys.argv[1]), *map(int, sys.argv[2:5])
-    try:
-        result = run_rank(out, phase, steps, workers)
-        (out / f"{phase}-rank{result['rank']}.json").write_text(json.dumps(result))
-        return 0
-    except Exception:
-        rank = dist.get_rank() if dist.is_initialized() else "unknown"
-        (out / f"error-{phase}-{rank}.txt").write_text(traceback.format_exc())
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    return rank_main(lambda: run_rank(out, phase, steps, workers), out, prefix=f"{phase}-")
 
 
 if __name__ == "__main__":

@@ -10,9 +10,7 @@ checkpoint taken at the same step on every rank resumed exactly.
 
 from __future__ import annotations
 
-import json
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import centralpipe as cp
+from tests._torchrun import rank_main
 
 N = 101  # odd, so the last round is incomplete on 2 ranks
 WORKERS = 2
@@ -48,7 +47,6 @@ def make_pipe(equalize: str | None) -> cp.Pipeline:
 
 
 def run_rank(out_dir: Path) -> dict[str, Any]:
-    dist.init_process_group("gloo")
     config = cp.DistributedConfig.from_env()
     result: dict[str, Any] = {
         "group": [dist.get_rank(), dist.get_world_size()],
@@ -79,27 +77,12 @@ def run_rank(out_dir: Path) -> dict[str, Any]:
                 tail = list(loader)
             checks[str(k)] = head + tail == full
         result["resume"][key] = checks
-    # Every rank reached the end; the parent reads the files after both exit.
-    dist.barrier()
     return result
 
 
 def main() -> int:
-    out_dir = Path(sys.argv[1])
-    rank = "unknown"
-    try:
-        result = run_rank(out_dir)
-        rank = str(result["group"][0])
-        (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
-        return 0
-    except Exception:
-        (out_dir / f"error-{dist.get_rank() if dist.is_initialized() else rank}.txt").write_text(
-            traceback.format_exc()
-        )
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    out = Path(sys.argv[1])
+    return rank_main(lambda: run_rank(out), out)
 
 
 if __name__ == "__main__":

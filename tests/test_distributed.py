@@ -6,65 +6,27 @@ the assertions are made here, on both ranks' files together.
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import centralpipe as cp
+from tests._torchrun import RUN_TIMEOUT_S, rank_results, torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "dist_worker.py"
 TOKEN_BUCKETS = ROOT / "examples" / "token_buckets.py"
 N = 101  # as in dist_worker.py
 WORLD_SIZE = 2
-RUN_TIMEOUT_S = 120
 
 pytestmark = pytest.mark.distributed
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _torchrun(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """Run ``script`` on ``WORLD_SIZE`` local ranks; torchrun's own variables
-    must not leak in from an outer launcher."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={WORLD_SIZE}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
-        str(script),
-        *args,
-    ]
-    return subprocess.run(
-        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
-    )
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """What each rank of one torchrun launch of ``dist_worker.py`` wrote."""
-    out = tmp_path_factory.mktemp("dist")
-    proc = _torchrun(WORKER, str(out))
-    errors = "".join(p.read_text() for p in sorted(out.glob("error-*.txt")))
-    assert proc.returncode == 0, errors + proc.stdout + proc.stderr
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+    return rank_results(WORKER, tmp_path_factory.mktemp("dist"), nproc=WORLD_SIZE)
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
@@ -155,8 +117,10 @@ def test_checkpoint_of_another_world_size_or_rank_is_refused(
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 def test_token_buckets_example_under_torchrun(tmp_path: Path) -> None:
     """The motivating example resumes exactly on both ranks under torchrun."""
-    proc = _torchrun(
-        TOKEN_BUCKETS, "--workers", "2", "--distributed", "--checkpoint", str(tmp_path / "c.pt")
+    proc = torchrun(
+        TOKEN_BUCKETS,
+        *("--workers", "2", "--distributed", "--checkpoint", str(tmp_path / "c.pt")),
+        nproc=WORLD_SIZE,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if "resumed exactly:" in line]

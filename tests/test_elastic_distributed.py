@@ -8,11 +8,6 @@ has the exhaustive single-process checks).
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -22,43 +17,15 @@ import torch
 
 import centralpipe as cp
 from tests._configs import loader_config
+from tests._torchrun import RUN_TIMEOUT_S, rank_results
 from tests.test_elastic import model, pipe
 
-ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "dist_elastic_worker.py"
-RUN_TIMEOUT_S = 120
 EQUALIZE = ("drop_last", "pad")
 #: (world size, steps per rank or -1 for the rest of the epoch, num_workers) per phase.
 PHASES = ((2, 3, 1), (3, 2, 0), (2, -1, 2))
 
 pytestmark = pytest.mark.distributed
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
-        str(WORKER),
-        *args,
-    ]
-    return subprocess.run(
-        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
-    )
 
 
 def _lists(value: Any) -> Any:
@@ -72,14 +39,12 @@ def _lists(value: Any) -> Any:
 def phases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Each phase's per-rank results, and the saved global states' directory."""
     out = tmp_path_factory.mktemp("elastic")
-    results = []
-    for phase, (world, steps, workers) in enumerate(PHASES):
-        proc = _torchrun(world, str(out), str(phase), str(steps), str(workers))
-        errors = "".join(p.read_text() for p in sorted(out.glob("error-*.txt")))
-        assert proc.returncode == 0, errors + proc.stdout + proc.stderr
-        results.append(
-            [json.loads((out / f"{phase}-rank{r}.json").read_text()) for r in range(world)]
+    results = [
+        rank_results(
+            WORKER, out, *map(str, (phase, steps, workers)), nproc=world, prefix=f"{phase}-"
         )
+        for phase, (world, steps, workers) in enumerate(PHASES)
+    ]
     return {"out": out, "results": results}
 
 

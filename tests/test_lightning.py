@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +16,7 @@ pytest.importorskip("pytorch_lightning")
 import centralpipe as cp
 import centralpipe.lightning as cpl
 from tests._lightning_app import Model, make_pipe, make_trainer, weights
+from tests._torchrun import torchrun
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore::UserWarning", "ignore::DeprecationWarning", "ignore:.*LeafSpec"
@@ -212,33 +211,11 @@ def test_import_centralpipe_does_not_import_lightning() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=REPO)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_ddp_resumes_from_the_rank0_checkpoint(tmp_path: Path) -> None:
     """2-rank DDP (gloo): rank 0's checkpoint resumes both ranks step for step, weights equal."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env["PYTHONPATH"] = str(REPO)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
-        str(REPO / "tests" / "lightning_ddp.py"),
-        str(tmp_path),
-    ]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=280)
+    proc = torchrun(REPO / "tests" / "lightning_ddp.py", str(tmp_path), nproc=2, timeout_s=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r, res in enumerate(results):

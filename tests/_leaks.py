@@ -36,18 +36,12 @@ def _running(proc: psutil.Process) -> bool:
         return False
 
 
-def _read_stat(pid: int) -> tuple[int, str] | None:
-    """``(ppid, state)`` of ``pid``: state "Z" for a zombie, "X" for dead,
-    "R" otherwise; ``None`` if it is gone."""
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs: False once it is gone, a zombie or dead."""
     try:
-        proc = psutil.Process(pid)
-        with proc.oneshot():
-            ppid, status = proc.ppid(), proc.status()
-    except psutil.ZombieProcess:
-        return 0, "Z"
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
-    return ppid, {psutil.STATUS_ZOMBIE: "Z", psutil.STATUS_DEAD: "X"}.get(status, "R")
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except _GONE:
+        return False
 
 
 def cmdline(pid: int) -> str:

@@ -25,26 +25,9 @@ import torch.distributed.checkpoint as dcp
 
 import centralpipe as cp
 from tests._torchrun import rank_main
+from tests.test_elastic import pipe  # the pipeline test_elastic_distributed compares with
 
 EQUALIZE = ("drop_last", "pad")
-WORDS = [("w" * (1 + (7 * i) % 5)) for i in range(63)]  # as in tests/test_elastic.py
-
-
-def tokens(word: str) -> int:
-    return len(word)
-
-
-def make_pipe(equalize: str) -> cp.Pipeline:
-    return (
-        cp.Pipeline.from_iterable(WORDS)
-        .shuffle(7)
-        .count("words", weight_fn=tokens)
-        .bucket_by_max_tokens(9, len_fn=tokens, buffer_size=6)
-        .count("batches")
-        .shard(equalize=equalize)
-        .dispatch()
-        .map(tuple)
-    )
 
 
 def config(workers: int) -> cp.LoaderConfig:
@@ -64,12 +47,12 @@ def dcp_recipes(equalize: str, loader: cp.Loader[Any], out: Path, workers: int) 
     dcp.save({"loader": own}, checkpoint_id=out / f"dcp-{equalize}-shared-key")
     result: dict[str, Any] = {}
     for kind, key in (("per-rank", f"loader_rank{rank}"), ("global", "loader")):
-        with cp.Loader(make_pipe(equalize), config(workers)) as fresh:
+        with cp.Loader(pipe(equalize), config(workers)) as fresh:
             state = {key: fresh.state_dict()}
             dcp.load(state, checkpoint_id=out / f"dcp-{equalize}-{kind}")
             fresh.load_state_dict(state[key])
             result[kind] = list(fresh)
-    with cp.Loader(make_pipe(equalize), config(workers)) as fresh:
+    with cp.Loader(pipe(equalize), config(workers)) as fresh:
         state = {"loader": fresh.state_dict()}
         dcp.load(state, checkpoint_id=out / f"dcp-{equalize}-shared-key")
         try:
@@ -83,7 +66,7 @@ def dcp_recipes(equalize: str, loader: cp.Loader[Any], out: Path, workers: int) 
 def run_rank(out: Path, phase: int, steps: int, workers: int) -> dict[str, Any]:
     result: dict[str, Any] = {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
     for equalize in EQUALIZE:
-        with cp.Loader(make_pipe(equalize), config(workers)) as loader:
+        with cp.Loader(pipe(equalize), config(workers)) as loader:
             if phase:
                 previous = torch.load(out / f"{equalize}-{phase - 1}.pt", weights_only=True)
                 loader.load_state_dict(previous)

@@ -16,6 +16,7 @@ import pytest
 
 import centralpipe as cp
 from tests import faulty
+from tests._leaks import alive
 
 N = 120
 
@@ -299,15 +300,6 @@ if __name__ == "__main__":
 """
 
 
-def _alive(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return False
-
-
 def _run_script(
     tmp_path: Path, start_method: str, mode: str
 ) -> tuple[subprocess.Popen[str], list[int]]:
@@ -331,11 +323,11 @@ def _run_script(
 def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        alive = [p for p in pids if _alive(p)]
-        if not alive:
+        left = [p for p in pids if alive(p)]
+        if not left:
             return []
         time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
+    return [p for p in pids if alive(p)]
 
 
 @pytest.mark.parametrize("start_method", ["fork", "forkserver"])

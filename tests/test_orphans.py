@@ -12,6 +12,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests._leaks import alive
+
 SCRIPT = Path(__file__).with_name("orphan_main.py")
 #: Bound on how long workers outlive the main process (typically well under 1 s;
 #: the margin is for a loaded machine).
@@ -24,10 +26,6 @@ def _state(pid: int) -> str | None:
     except psutil.NoSuchProcess:
         return None
     return status
-
-
-def _alive(pid: int) -> bool:
-    return _state(pid) not in (None, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
 
 
 @pytest.mark.parametrize(
@@ -54,16 +52,14 @@ def test_workers_exit_when_main_is_killed_and_unreaped(start_method: str, mode: 
         assert pids, f"no worker pids printed; stderr: {proc.stderr.read() if proc.stderr else ''}"
         # The main process is dead but not reaped: we, its parent, do not wait yet.
         deadline = time.monotonic() + 10
-        while _alive(proc.pid) and time.monotonic() < deadline:
+        while alive(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert _state(proc.pid) is not None and not _alive(proc.pid), "main is a zombie"
+        assert _state(proc.pid) is not None and not alive(proc.pid), "main is a zombie"
         died = time.monotonic()
-        while any(_alive(p) for p in pids) and time.monotonic() - died < 10:
+        while any(alive(p) for p in pids) and time.monotonic() - died < 10:
             time.sleep(0.02)
         lived = time.monotonic() - died
-        assert not any(_alive(p) for p in pids), (
-            f"workers {pids} outlived the main by {lived:.1f} s"
-        )
+        assert not any(alive(p) for p in pids), f"workers {pids} outlived the main by {lived:.1f} s"
         assert lived < EXIT_WITHIN_S, f"workers outlived the main process by {lived:.2f} s"
     finally:
         for pid in pids:
@@ -86,7 +82,7 @@ def test_liveness_check_sees_a_zombie_as_dead() -> None:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     try:
         deadline = time.monotonic() + 10
-        while _alive(proc.pid) and time.monotonic() < deadline:
+        while alive(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert _state(proc.pid) is not None, "still unreaped"
         assert not main_alive(proc.pid)

@@ -26,7 +26,10 @@ from centralpipe.specs import (
     check_int,
     check_line_encoding,
     check_name,
-    is_sequence_like,
+    dataset_spec,
+    files_spec,
+    iterable_spec,
+    node_spec,
 )
 
 __all__ = ["WORKER_KINDS", "Pipeline", "StageSpec"]
@@ -60,43 +63,7 @@ class Pipeline:
         A one-shot iterator (a generator, ``iter(x)``) cannot start a second
         epoch and is refused; wrap it in a function instead.
         """
-        check_name(name)
-        if isinstance(iterable, (str, bytes)):
-            msg = (
-                f"stage '{name}': from_iterable got a {type(iterable).__name__}; "
-                "wrap it in a list if you mean one item, or use list(...) for its characters."
-            )
-            raise PipelineError(msg)
-        if isinstance(iterable, (set, frozenset, Mapping)):
-            msg = (
-                f"stage '{name}': from_iterable got a {type(iterable).__name__}, whose order "
-                "is not fixed across processes (resume skips forward by position); pass "
-                "sorted(...) or list(...) of it."
-            )
-            raise PipelineError(msg)
-        if isinstance(iterable, Sequence) or is_sequence_like(iterable):
-            mode = "sequence"
-        elif callable(iterable):
-            mode = "factory"
-        elif isinstance(iterable, Iterable):
-            if iter(iterable) is iterable:
-                msg = (
-                    f"stage '{name}': from_iterable got a one-shot iterator "
-                    f"({type(iterable).__name__}), which cannot be read again in the next "
-                    "epoch or on resume; pass a list, or a zero-argument function that "
-                    "returns a new iterator."
-                )
-                raise PipelineError(msg)
-            mode = "reiterable"
-        else:
-            msg = (
-                f"stage '{name}': from_iterable needs a list, range, tuple, a re-iterable "
-                f"or a zero-argument callable, got {type(iterable).__name__}."
-            )
-            raise PipelineError(msg)
-        return cls(
-            (StageSpec("iterable", name, "source", options={"source": iterable, "mode": mode}),)
-        )
+        return cls((iterable_spec(iterable, name),))
 
     @classmethod
     def from_files(
@@ -108,50 +75,17 @@ class Pipeline:
     ) -> Pipeline:
         """File paths: a glob (matches sorted; resolved when the Loader starts) or
         a sequence of paths kept in the given order. Yields ``str`` paths."""
-        check_name(name)
-        if isinstance(paths, (str, os.PathLike)):
-            options: dict[str, Any] = {"glob": os.fspath(paths)}
-        elif isinstance(paths, Sequence) and not isinstance(paths, bytes):
-            items = list(paths)
-            if not items:
-                msg = f"stage '{name}': from_files got an empty list of paths."
-                raise PipelineError(msg)
-            bad = [p for p in items if not isinstance(p, (str, os.PathLike))]
-            if bad:
-                msg = f"stage '{name}': paths must be str or os.PathLike, got {bad[0]!r}."
-                raise PipelineError(msg)
-            options = {"paths": tuple(os.fspath(p) for p in items)}
-        else:
-            msg = (
-                f"stage '{name}': from_files needs a glob string or a list of paths, "
-                f"got {type(paths).__name__}."
-            )
-            raise PipelineError(msg)
-        return cls((StageSpec("files", name, "source", options=options),))
+        return cls((files_spec(paths, name),))
 
     @classmethod
     def from_dataset(cls, dataset: Any, /, *, name: str = "dataset") -> Pipeline:
         """``dataset[i]`` for ``i`` in ``range(len(dataset))``, resuming by index."""
-        check_name(name)
-        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-            msg = (
-                f"stage '{name}': from_dataset needs a map-style dataset with __len__ and "
-                f"__getitem__, got {type(dataset).__name__}; use from_iterable for iterables."
-            )
-            raise PipelineError(msg)
-        return cls((StageSpec("dataset", name, "source", options={"source": dataset}),))
+        return cls((dataset_spec(dataset, name),))
 
     @classmethod
     def from_node(cls, node: BaseNode[Any], /, *, name: str = "node") -> Pipeline:
         """Any ``torchdata.nodes.BaseNode``; its own ``state_dict`` is checkpointed."""
-        check_name(name)
-        if not isinstance(node, BaseNode):
-            msg = (
-                f"stage '{name}': from_node needs a torchdata.nodes.BaseNode, "
-                f"got {type(node).__name__}."
-            )
-            raise PipelineError(msg)
-        return cls((StageSpec("node", name, "source", options={"source": node}),))
+        return cls((node_spec(node, name),))
 
     @classmethod
     def mix(

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import centralpipe as cp
-from centralpipe import bench, bench_transport, bench_workloads
+from centralpipe import bench, bench_report, bench_transport, bench_workloads
 from centralpipe.bench_contenders import STOCK_SOCKET_BUFFER_BYTES, Timing, socket_buffers
 
 BENCH_TIMEOUT_S = 180
@@ -107,7 +107,7 @@ def test_targets_cover_tensor_numpy_and_the_cold_epoch() -> None:
     }
     res.serial = {"tensor": _timing(50_000), "numpy": _timing(50_000)}
     res.cold = bench_transport.ColdEpoch(4000, 2, serial_s=4.0, first_s=0.2, total_s=3.2)
-    got = {name: ok for name, _, ok in bench._targets(res)}
+    got = {name: ok for name, _, ok in bench_report._targets(res)}
     assert got["tensor, 2 workers: >= 25,000 items/s"] is True
     assert got["tensor, 2 workers: >= 15x DataLoader"] is True
     assert got["tensor, 2 workers, socket buffers capped: >= 25,000 items/s"] is False
@@ -118,7 +118,7 @@ def test_targets_cover_tensor_numpy_and_the_cold_epoch() -> None:
     text = bench.report(res)
     assert "## Transport" in text and "| tensor | 2 | 30,000 | 20,000 | 0.67x |" in text
     res.cells[("tensor", 2)][bench.LIMIT] = _timing(40_000)
-    got = {name: ok for name, _, ok in bench._targets(res)}
+    got = {name: ok for name, _, ok in bench_report._targets(res)}
     assert got["tensor, 2 workers: >= 70 % of the slot-pool limit, same run"] is True  # 75 %
     assert (
         got["tensor, 2 workers, socket buffers capped: >= 70 % of the slot-pool limit, same run"]

@@ -59,7 +59,7 @@ T = TypeVar("T")
 #: starts workers runs thousands of events).
 MAX_EVENTS = 5_000
 #: Keys whose values are user data (items, buffers, RNG state): never damaged.
-PAYLOAD_KEYS = frozenset({"items", "buffer", "heap", "batch", "rng", "stamps"})
+PAYLOAD_KEYS = frozenset({"items", "buffer", "heap", "batch", "held", "rng", "stamps"})
 #: Keys whose values may legitimately be any number (``count`` weights); the
 #: totals in stamps hold weights too, so numbers there only get a wrong type.
 ANY_NUMBER_KEYS = frozenset({"weight"})

@@ -396,9 +396,9 @@ class Loader(Generic[T]):
                 stamp = self._resume["delivered_stamp"]
                 stamped = self._stamped
             else:
-                return node.own_state()
+                return node.query_state()
             if stamp is None:
-                return node.own_state()
+                return node.query_state()
             items, weight = stamp[stamped.index(node)]
             return {"items": items, "weight": weight}
         what = f"query({name!r})"

@@ -7,6 +7,16 @@ part without the source, which the Loader stores per stage name and which
 ``StopIteration``), ``own_state()`` and ``restore(state | None)``, and declare
 ``State``, the attrs class of their state, which the checkpoint model checks
 (with ``check_state()`` for what depends on the pipeline, e.g. file sizes).
+
+Interrupts. A ``KeyboardInterrupt`` (Ctrl-C, when the chain runs in the
+caller's thread) can land inside any call a stage makes: a nested ``next()``
+of its source, or the user's function. No stage keeps an input it pulled in a
+local variable across such a call: what it pulled and has not passed on yet is
+in its own state (``held``: the inputs of the interrupted call, or the stage's
+own buffers), so the next ``next()`` carries on with it and ``state_dict()``
+taken at that moment records it. Only ``Exception`` is a stage's failure (the
+input it raised on is dropped and the pass goes on after it); any other
+exception leaves the input held.
 """
 
 from __future__ import annotations
@@ -20,13 +30,26 @@ import attrs
 from torchdata.nodes import BaseNode
 
 from centralpipe.errors import CheckpointError
+from centralpipe.validators import FieldError, checked, sequence_of
 
 if TYPE_CHECKING:
     from centralpipe.pipeline import StageSpec
 
-__all__ = ["SOURCE_KEY", "CentralNode", "NoState", "RunContext", "Total", "add_stage_note"]
+__all__ = [
+    "HELD",
+    "HELD_KEY",
+    "SOURCE_KEY",
+    "CentralNode",
+    "HeldState",
+    "NoState",
+    "RunContext",
+    "Total",
+    "add_stage_note",
+]
 
 SOURCE_KEY = "source"
+#: The inputs an interrupted call had pulled and not passed on (present only then).
+HELD_KEY = "held"
 #: Stage time is measured on one call in this many.
 TIME_EVERY = 16
 T = TypeVar("T")
@@ -63,6 +86,18 @@ class NoState:
     """The state of a stage that keeps none: ``{}``."""
 
 
+#: The validator of a state class's ``held`` field (optional: ``factory=list``).
+HELD = checked(FieldError, "a list (the inputs of an interrupted call)", sequence_of())
+
+
+@attrs.frozen(kw_only=True)
+class HeldState:
+    """The state of a stage that keeps nothing between calls, except after an
+    interrupt: ``{}``, or ``{"held": [inputs]}``."""
+
+    held: list[Any] = attrs.field(factory=list, validator=HELD)
+
+
 def add_stage_note(exc: BaseException, stage: str) -> None:
     """Name the central stage an exception came from (once, innermost wins)."""
     if getattr(exc, "_centralpipe_stage", None) is None:
@@ -96,6 +131,10 @@ class CentralNode(BaseNode[T], Generic[T]):
         self.ctx = ctx
         self.items_out = 0
         self.time_s = 0.0
+        #: Inputs pulled from ``source`` by a call that was interrupted before
+        #: it passed them on (see the module docstring); the next call takes
+        #: them first. In the state under ``HELD_KEY`` when not empty.
+        self.held: list[Any] = []
 
     @classmethod
     @abc.abstractmethod
@@ -221,6 +260,24 @@ class CentralNode(BaseNode[T], Generic[T]):
         """Raise ``FieldError`` if ``state`` (a ``State`` instance) cannot be
         this stage's position in this pipeline; ``states`` has every stage's.
         Must not change anything: a refused checkpoint leaves the loader as it was."""
+
+    # -- held inputs (see the module docstring) --------------------------------
+
+    def with_held(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` with the held inputs, if any (for ``own_state()``)."""
+        if self.held:
+            state[HELD_KEY] = list(self.held)
+        return state
+
+    def restore_held(self, state: dict[str, Any] | None) -> None:
+        """The held inputs of ``state`` (none at the start of an epoch)."""
+        self.held = [] if state is None else list(state.get(HELD_KEY, ()))
+
+    def check_held(self, held: list[Any], most: int) -> None:
+        """``FieldError`` unless ``held`` could be this stage's: at most ``most`` inputs."""
+        if len(held) > most:
+            expected = f"at most {most} input(s) (what one interrupted call of a {self.kind} pulls)"
+            raise FieldError(HELD_KEY, expected, held)
 
     def max_items_out(self, state: Any, bound_in: int | None) -> int | None:
         """An upper bound on the items this stage has yielded this epoch, from

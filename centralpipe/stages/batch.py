@@ -7,6 +7,12 @@ and the batch is emitted when adding the next item would exceed
 ``max_tokens``. Ties in length keep arrival order (torchdata compared the items
 themselves, which fails for items that do not order). An item longer than
 ``max_tokens`` is emitted alone; an empty batch is never emitted.
+
+Both keep what they pulled in their state, never in a local variable across a
+call that an interrupt (Ctrl-C) can cut short: ``batch`` gathers its group in
+``held``, ``bucket_by_max_tokens`` holds an item while ``len_fn`` runs. The
+next ``next()`` carries on from there, and a checkpoint taken meanwhile
+records it.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from attrs import validators as v
 from torchdata.nodes import BaseNode
 
 from centralpipe.pipeline import StageSpec
-from centralpipe.stages.base import CentralNode, NoState, RunContext, Total
+from centralpipe.stages.base import HELD, CentralNode, HeldState, RunContext, Total
 from centralpipe.validators import FieldError, checked, int_in, sequence_of
 
 __all__ = ["Batch", "BucketByMaxTokens", "BucketState"]
@@ -55,11 +61,12 @@ class BucketState:
     batch_max_len: int = attrs.field(validator=checked(FieldError, "an int >= 0", _COUNT))
     arrivals: int = attrs.field(validator=checked(FieldError, "an int >= 0", _COUNT))
     draining: bool = attrs.field(validator=checked(FieldError, "a bool", v.instance_of(bool)))
+    held: list[Any] = attrs.field(factory=list, validator=HELD)
 
 
 class Batch(CentralNode[list[Any]]):
     kind = "batch"
-    State = NoState
+    State = HeldState
 
     @classmethod
     def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> Batch:
@@ -82,16 +89,27 @@ class Batch(CentralNode[list[Any]]):
 
     def produce(self) -> list[Any]:
         assert self.source is not None
-        out: list[Any] = []
-        source = self.source
-        for _ in range(self._batch_size):
+        # The group being gathered is the state (``held``), not a local: an
+        # interrupt at a nested next() leaves it for the next call.
+        out, source, size = self.held, self.source, self._batch_size
+        while len(out) < size:
             try:
                 out.append(next(source))
             except StopIteration:
                 break
-        if not out or (self._drop_last and len(out) < self._batch_size):
+        self.held = []
+        if not out or (self._drop_last and len(out) < size):
             raise StopIteration
         return out
+
+    def own_state(self) -> dict[str, Any]:
+        return self.with_held({})
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        self.restore_held(state)
+
+    def check_state(self, state: HeldState, states: Mapping[str, Any]) -> None:
+        self.check_held(state.held, self._batch_size - 1)
 
 
 class BucketByMaxTokens(CentralNode[list[Any]]):
@@ -142,13 +160,19 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
         while True:
             if not self._draining:
                 # Fill until the heap holds buffer_size items (a full heap pops one).
+                held = self.held
                 while cap is None or len(heap) < cap:
                     try:
-                        item = next(self.source)
+                        item = held.pop() if held else next(self.source)
                     except StopIteration:
                         self._draining = True
                         break
-                    length = self._len_fn(item)
+                    try:
+                        length = self._len_fn(item)
+                    except BaseException as exc:
+                        if not isinstance(exc, Exception):  # interrupted: the next call retries
+                            held.append(item)
+                        raise
                     if length < self._min_len or (
                         self._max_len is not None and length > self._max_len
                     ):
@@ -192,7 +216,7 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
         return None
 
     def own_state(self) -> dict[str, Any]:
-        return {
+        state = {
             HEAP_KEY: list(self._heap),
             BATCH_KEY: list(self._batch),
             BATCH_TOKENS_KEY: self._batch_tokens,
@@ -200,11 +224,13 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
             ARRIVALS_KEY: self._arrivals,
             DRAINING_KEY: self._draining,
         }
+        return self.with_held(state)
 
     def max_items_out(self, state: BucketState, bound_in: int | None) -> int | None:
         return state.arrivals  # every batch holds at least one arrived item
 
     def check_state(self, state: BucketState, states: Mapping[str, Any]) -> None:
+        self.check_held(state.held, 0 if state.draining else 1)
         if self._buffer_size is not None and len(state.heap) > self._buffer_size:
             raise FieldError("heap", f"at most buffer_size={self._buffer_size} entries", state.heap)
         for length, arrival, _ in state.heap:
@@ -216,6 +242,7 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
 
     def restore(self, state: dict[str, Any] | None) -> None:
         self._clear()
+        self.restore_held(state)
         if state is None:
             return
         self._heap = [(int(n), int(i), item) for n, i, item in state[HEAP_KEY]]

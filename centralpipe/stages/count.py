@@ -3,6 +3,8 @@
 State ``{"items": n, "weight": w}``; ``weight`` sums ``weight_fn(item)``, or
 counts items without one. Placed before ``shard()``, it counts the whole
 central stream on every rank — the pre-shard progress a progress bar shows.
+An interrupt inside ``weight_fn`` leaves the item held (uncounted) for the
+next ``next()``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import attrs
 from torchdata.nodes import BaseNode
 
 from centralpipe.pipeline import StageSpec
-from centralpipe.stages.base import CentralNode, RunContext, Total
+from centralpipe.stages.base import HELD, CentralNode, RunContext, Total
 from centralpipe.validators import NUMBER, FieldError, checked, int_in
 
 __all__ = ["Count", "CountState"]
@@ -27,6 +29,7 @@ WEIGHT_KEY = "weight"
 class CountState:
     items: int = attrs.field(validator=checked(FieldError, "an int >= 0", int_in(0, 2**63)))
     weight: float = attrs.field(validator=checked(FieldError, "a number", NUMBER))
+    held: list[Any] = attrs.field(factory=list, validator=HELD)
 
 
 class Count(CentralNode[Any]):
@@ -56,8 +59,17 @@ class Count(CentralNode[Any]):
 
     def produce(self) -> Any:
         assert self.source is not None
-        item = next(self.source)
-        self.weight += 1 if self._weight_fn is None else self._weight_fn(item)
+        held = self.held
+        item = held.pop() if held else next(self.source)
+        if self._weight_fn is None:
+            self.weight += 1
+        else:
+            try:
+                self.weight += self._weight_fn(item)
+            except BaseException as exc:
+                if not isinstance(exc, Exception):  # interrupted: counted by the next call
+                    held.append(item)
+                raise
         self.items += 1
         return item
 
@@ -68,8 +80,15 @@ class Count(CentralNode[Any]):
         return (self.items, self.weight)
 
     def own_state(self) -> dict[str, Any]:
+        return self.with_held({ITEMS_KEY: self.items, WEIGHT_KEY: self.weight})
+
+    def query_state(self) -> dict[str, Any]:
         return {ITEMS_KEY: self.items, WEIGHT_KEY: self.weight}
 
     def restore(self, state: dict[str, Any] | None) -> None:
         self.items = 0 if state is None else int(state[ITEMS_KEY])
         self.weight = 0 if state is None else state[WEIGHT_KEY]
+        self.restore_held(state)
+
+    def check_state(self, state: CountState, states: Any) -> None:
+        self.check_held(state.held, 0 if self._weight_fn is None else 1)

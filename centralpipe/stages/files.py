@@ -4,6 +4,11 @@ Each file's bytes are split on ``\\n``; a trailing ``\\r`` is stripped (so
 ``\\r\\n`` files work); nothing else changes; a last line without ``\\n`` is
 still a line. The state is the open path and the byte offset of the next line,
 so resuming seeks there and never re-reads what was delivered.
+
+A path taken from the source is the state (``path``, offset 0) before the
+file is opened: an interrupt (Ctrl-C) during the open leaves it for the next
+``next()``, and a checkpoint taken then opens it on resume. A file that
+cannot be opened (``OSError``) is a failure: the pass goes on after it.
 """
 
 from __future__ import annotations
@@ -92,8 +97,16 @@ class ReadLines(CentralNode[str]):
     def produce(self) -> str:
         while True:
             if self._file is None:
-                assert self.source is not None
-                self._open(os.fspath(next(self.source)), 0)
+                if self._path is None:
+                    assert self.source is not None
+                    self._path = os.fspath(next(self.source))
+                    self._offset = 0
+                try:
+                    self._open(self._path, self._offset)
+                except BaseException as exc:
+                    if isinstance(exc, Exception):  # not interrupted: this file is skipped
+                        self._path, self._offset = None, 0
+                    raise
             assert self._file is not None
             raw = self._file.readline()
             if not raw:
@@ -191,9 +204,14 @@ class ReadLines(CentralNode[str]):
         super().release()
 
     def _open(self, path: str, offset: int) -> None:
-        self._file = open(path, "rb")  # noqa: SIM115 - held across next() calls
-        if offset:
-            self._file.seek(offset)
+        f = open(path, "rb")  # noqa: SIM115 - held across next() calls
+        try:
+            if offset:
+                f.seek(offset)
+        except BaseException:
+            f.close()
+            raise
+        self._file = f
         self._path = path
         self._offset = offset
 

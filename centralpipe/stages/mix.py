@@ -21,6 +21,11 @@ source's pass, the ended sources, and every sub-pipeline's stage states
 (``{"sources": {key: {qualified name: state}}}``). The weights are
 configuration, not state: a checkpoint resumes under new weights, every source
 at its position, the new weights applying from the next draw.
+
+A draw whose ``next()`` was interrupted (Ctrl-C) stays drawn (``draw``, and
+``restart`` while a source's next pass was being started): the next call
+takes from the same source instead of drawing again, so the sampler's stream
+and every source's passes are those of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ EXHAUSTED_KEY = "exhausted"
 DONE_KEY = "done"
 STOP_KEY = "stop"
 SOURCES_KEY = "sources"
+DRAW_KEY = "draw"
+RESTART_KEY = "restart"
 
 Builder = Callable[[Sequence[StageSpec], RunContext], list[CentralNode[Any]]]
 _COUNT = int_in(0, 2**63)
@@ -98,6 +105,19 @@ class MixState:
     sources: dict[str, Any] = attrs.field(
         validator=checked(FieldError, "a dict of source -> stage states", v.instance_of(Mapping))
     )
+    #: The source an interrupted call drew (``None``: none), and whether it
+    #: was starting that source's next pass.
+    draw: str | None = attrs.field(
+        default=None,
+        validator=checked(FieldError, "None or a source name", v.optional(v.instance_of(str))),
+    )
+    restart: bool = attrs.field(
+        default=False, validator=checked(FieldError, "a bool", v.instance_of(bool))
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.restart and self.draw is None:
+            raise FieldError("restart", "False when no source is drawn (draw is None)", True)
 
 
 # -- building the spec ------------------------------------------------------------------
@@ -254,6 +274,10 @@ class Mix(CentralNode[Any]):
         self._passes = [0] * n
         self._exhausted = [False] * n
         self._done = False
+        #: The source drawn by an interrupted call (-1: none); ``_restart``:
+        #: that call was starting the source's next pass.
+        self._draw = -1
+        self._restart = False
         self._rebuild_draw()
 
     def _rebuild_draw(self) -> None:
@@ -283,31 +307,49 @@ class Mix(CentralNode[Any]):
     # -- iteration ------------------------------------------------------------------
 
     def produce(self) -> Any:
-        tips, active, cum = self._tips, self._active, self._cum
+        tips = self._tips
         while True:
-            if self._done or not active:
-                self._done = True
-                raise StopIteration
-            j = bisect.bisect_right(cum, self._rng.random() * self._total)
-            i = active[j] if j < len(active) else active[-1]  # float rounding at the top
-            try:
-                item = next(tips[i])
-            except StopIteration:
-                if self._stop == "first_exhausted":
+            i = self._draw
+            if i < 0:
+                active, cum = self._active, self._cum
+                if self._done or not active:
                     self._done = True
-                    raise
-                if self._stop == "all_exhausted":
-                    self._exhausted[i] = True
-                    self._rebuild_draw()
-                    active, cum = self._active, self._cum
-                    continue
-                item = self._next_pass(i)
+                    raise StopIteration
+                j = bisect.bisect_right(cum, self._rng.random() * self._total)
+                i = active[j] if j < len(active) else active[-1]  # float rounding at the top
+                # Kept until the item is taken: an interrupted call's draw stands.
+                self._draw = i
+            try:
+                if self._restart:
+                    item = self._next_pass(i)
+                else:
+                    try:
+                        item = next(tips[i])
+                    except StopIteration:
+                        if self._stop == "first_exhausted":
+                            self._done = True
+                            self._draw = -1
+                            raise
+                        if self._stop == "all_exhausted":
+                            self._exhausted[i] = True
+                            self._rebuild_draw()
+                            self._draw = -1
+                            continue
+                        self._restart = True
+                        item = self._next_pass(i)
+            except BaseException as exc:
+                if isinstance(exc, Exception):  # a failure: the draw is used up
+                    self._draw, self._restart = -1, False
+                raise
             self._drawn[i] += 1
+            self._draw = -1
             return item
 
     def _next_pass(self, i: int) -> Any:
-        self._passes[i] += 1
-        self._start_source(i, None)
+        """Start source ``i``'s next pass (``_restart`` is set) and take its first item."""
+        p = self._passes[i] + 1
+        self._start_source(i, None, p)
+        self._passes[i], self._restart = p, False
         try:
             return next(self._tips[i])
         except StopIteration:
@@ -318,10 +360,11 @@ class Mix(CentralNode[Any]):
             )
             raise PipelineError(msg) from None
 
-    def _start_source(self, i: int, flat: dict[str, Any] | None) -> None:
+    def _start_source(self, i: int, flat: dict[str, Any] | None, p: int | None = None) -> None:
         ctx = self._ctxs[i]
         ctx.epoch = self.ctx.epoch
-        p = self._passes[i]
+        if p is None:
+            p = self._passes[i]
         ctx.seed = self.ctx.seed if p == 0 else derive_seed(self.ctx.seed, "pass", p)
         self._tips[i].load_flat(flat)
 
@@ -341,6 +384,8 @@ class Mix(CentralNode[Any]):
                 k: {node.name: node.own_state() for node in nodes}
                 for k, nodes in zip(keys, self._chains)
             },
+            DRAW_KEY: keys[self._draw] if self._draw >= 0 else None,
+            RESTART_KEY: self._restart,
         }
 
     def restore(self, state: dict[str, Any] | None) -> None:
@@ -358,6 +403,9 @@ class Mix(CentralNode[Any]):
             self._exhausted[i] = key in exhausted
             self._start_source(i, dict(state[SOURCES_KEY][key]))
         self._done = bool(state[DONE_KEY])
+        draw = state.get(DRAW_KEY)
+        self._draw = -1 if draw is None else self._keys.index(draw)
+        self._restart = bool(state.get(RESTART_KEY, False))
         self._rebuild_draw()
 
     def check_state(self, state: MixState, states: Mapping[str, Any]) -> None:
@@ -373,6 +421,10 @@ class Mix(CentralNode[Any]):
                 )
         if not set(state.exhausted) <= set(keys):
             raise FieldError(EXHAUSTED_KEY, f"a list of sources from {keys}", state.exhausted)
+        if state.draw is not None and (state.draw not in keys or state.draw in state.exhausted):
+            raise FieldError(DRAW_KEY, f"None or a source in the draw, from {keys}", state.draw)
+        if state.restart and self._stop != "never":
+            raise FieldError(RESTART_KEY, "False (only stop='never' starts passes)", True)
         for key, nodes in zip(self._keys, self._chains):
             flat = state.sources[key]
             names = [node.name for node in nodes]

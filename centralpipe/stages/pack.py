@@ -18,6 +18,11 @@ naming the stage and the length (``oversize="raise"``), or is dropped and
 counted (``"drop"``). The state is the open groups (their items) and the totals
 behind the fill rate (tokens in emitted groups / their capacity).
 
+An item stays in ``held`` (the state) from the moment it is pulled until it
+is in a group, and a full group leaves at the start of the next call if an
+interrupt (Ctrl-C) came first: an interrupted call loses nothing, and the
+next one carries on.
+
 Both strategies cost O(log open groups) per item: best-fit bisects a list of
 ``(room, group id)`` kept sorted; first-fit descends a max-tree of room over
 group slots in age order.
@@ -37,7 +42,7 @@ from torchdata.nodes import BaseNode
 
 from centralpipe.errors import PipelineError
 from centralpipe.pipeline import StageSpec
-from centralpipe.stages.base import CentralNode, RunContext, Total
+from centralpipe.stages.base import HELD, CentralNode, RunContext, Total
 from centralpipe.validators import FieldError, checked, int_in, sequence_of
 
 __all__ = ["STRATEGIES", "Pack", "PackState"]
@@ -77,6 +82,7 @@ class PackState:
     tokens: int = attrs.field(validator=checked(FieldError, "an int >= 0", _COUNT))
     dropped: int = attrs.field(validator=checked(FieldError, "an int >= 0", _COUNT))
     draining: bool = attrs.field(validator=checked(FieldError, "a bool", v.instance_of(bool)))
+    held: list[Any] = attrs.field(factory=list, validator=HELD)
 
 
 class _FirstFitTree:
@@ -182,7 +188,9 @@ class Pack(CentralNode[list[Any]]):
         self._by_room: list[tuple[int, int]] = []  # best-fit: sorted (room, id)
         self._tree = None if self._best else _FirstFitTree(self._buffer_size + 1)
         self._next_id = 0
-        self._held = 0
+        self._buffered = 0
+        #: A group that is full and has not left yet (-1: none).
+        self._full = -1
         self._emitted = 0
         self._tokens = 0
         self._dropped = 0
@@ -191,19 +199,35 @@ class Pack(CentralNode[list[Any]]):
     def produce(self) -> list[Any]:
         source = self.source
         assert source is not None
-        groups = self._groups
+        groups, held = self._groups, self.held
         while True:
+            # What a call interrupted before returning it (Ctrl-C) left to emit
+            # goes first; otherwise these are checked right after an item is placed.
+            if self._full >= 0:
+                return self._emit(self._full)
+            if self._buffered > self._buffer_size:
+                return self._emit(self._oldest())
             if self._draining:
                 if not groups:
                     raise StopIteration
                 return self._emit(self._oldest())
+            if not held:
+                try:
+                    held.append(next(source))
+                except StopIteration:
+                    self._draining = True
+                    continue
+            # The item stays held until it is placed: the calls below may be
+            # interrupted, and the next call places it then.
+            item = held[0]
             try:
-                item = next(source)
-            except StopIteration:
-                self._draining = True
-                continue
-            n = self._length(item)
+                n = self._length(item)
+            except BaseException as exc:
+                if isinstance(exc, Exception):  # a failure: the item is dropped
+                    held.clear()
+                raise
             if n > self._max:
+                held.clear()
                 if self._drop:
                     self._dropped += 1
                     continue
@@ -215,16 +239,9 @@ class Pack(CentralNode[list[Any]]):
                 raise PipelineError(msg)
             gid = self._find(n)
             if gid is None:
-                gid = self._open()
-            group = groups[gid]
-            room = group[_ROOM]
-            group[_ITEMS].append(item)
-            self._held += 1
-            self._set_room(gid, group, room, room - n)
-            if room == n:
-                return self._emit(gid)
-            if self._held > self._buffer_size:
-                return self._emit(self._oldest())
+                self._open(self._max - n, [item])
+            else:
+                self._place(gid, item, n)
 
     def _length(self, item: Any) -> int:
         raw = self._len_fn(item)
@@ -245,30 +262,47 @@ class Pack(CentralNode[list[Any]]):
         assert self._tree is not None
         return self._tree.find(n)
 
-    def _open(self) -> int:
+    # Placing and emitting make at most one Python call (the first-fit tree's),
+    # before they change anything: an interrupt (Ctrl-C) finds every group and
+    # the held item whole, and a full group leaves at the next call.
+
+    def _open(self, room: int, items: list[Any]) -> None:
+        """A new group holding ``items`` with ``room`` left (the held item placed)."""
         gid = self._next_id
         self._next_id = gid + 1
-        group: list[Any] = [self._max, [], -1]
-        if self._best:
-            bisect.insort(self._by_room, (self._max, gid))
-        else:
+        group: list[Any] = [room, items, -1]
+        if not self._best:
             assert self._tree is not None
             # Before the group is registered: a rebuild re-slots the others only.
-            group[_SLOT] = self._tree.add(gid, self._max, self._groups, self._order)
+            group[_SLOT] = self._tree.add(gid, room if room else -1, self._groups, self._order)
+        elif room:  # a full group leaves at once; keep it out of the index
+            bisect.insort(self._by_room, (room, gid))
         self._groups[gid] = group
         self._order.append(gid)
-        return gid
+        self._buffered += len(items)
+        self.held.clear()
+        if not room:
+            self._full = gid
 
-    def _set_room(self, gid: int, group: list[Any], old: int, new: int) -> None:
-        group[_ROOM] = new
+    def _place(self, gid: int, item: Any, n: int) -> None:
+        """Put the held ``item`` (length ``n``) into open group ``gid``."""
+        group = self._groups[gid]
+        old = group[_ROOM]
+        new = old - n
         if self._best:
             rooms = self._by_room
             del rooms[bisect.bisect_left(rooms, (old, gid))]
-            if new:  # a full group leaves at once; keep it out of the index
+            if new:
                 bisect.insort(rooms, (new, gid))
         else:
             assert self._tree is not None
-            self._tree.set(group[_SLOT], new)
+            self._tree.set(group[_SLOT], new if new else -1)
+        group[_ROOM] = new
+        group[_ITEMS].append(item)
+        self._buffered += 1
+        self.held.clear()
+        if not new:
+            self._full = gid
 
     def _oldest(self) -> int:
         order, groups = self._order, self._groups
@@ -277,21 +311,22 @@ class Pack(CentralNode[list[Any]]):
         return order[0]
 
     def _emit(self, gid: int) -> list[Any]:
-        group = self._groups.pop(gid)
+        group = self._groups[gid]
         room, items = group[_ROOM], group[_ITEMS]
-        if self._best:
-            if room:
-                rooms = self._by_room
-                del rooms[bisect.bisect_left(rooms, (room, gid))]
-        else:
+        if not self._best:
             assert self._tree is not None
             self._tree.set(group[_SLOT], -1)
+        elif room:
+            rooms = self._by_room
+            del rooms[bisect.bisect_left(rooms, (room, gid))]
+        del self._groups[gid]
         if len(self._order) > 4 * len(self._groups) + 64:
             # Closed groups behind a long-open one: drop their ids from the age order.
-            self._order = deque(g for g in self._order if g in self._groups)
-        self._held -= len(items)
+            self._order = deque(filter(self._groups.__contains__, self._order))
+        self._buffered -= len(items)
         self._emitted += 1
         self._tokens += self._max - room
+        self._full = -1
         return items
 
     # -- state ----------------------------------------------------------------------
@@ -301,37 +336,42 @@ class Pack(CentralNode[list[Any]]):
         open_groups = [
             [groups[gid][_ROOM], list(groups[gid][_ITEMS])] for gid in self._order if gid in groups
         ]
-        return {
-            GROUPS_KEY: open_groups,
-            EMITTED_KEY: self._emitted,
-            TOKENS_KEY: self._tokens,
-            DROPPED_KEY: self._dropped,
-            DRAINING_KEY: self._draining,
-        }
+        return self.with_held(
+            {
+                GROUPS_KEY: open_groups,
+                EMITTED_KEY: self._emitted,
+                TOKENS_KEY: self._tokens,
+                DROPPED_KEY: self._dropped,
+                DRAINING_KEY: self._draining,
+            }
+        )
 
     def restore(self, state: dict[str, Any] | None) -> None:
         self._clear()
         if state is None:
+            self.restore_held(None)
             return
         for room, items in state[GROUPS_KEY]:
-            gid = self._open()
-            group = self._groups[gid]
-            group[_ITEMS] = list(items)
-            self._held += len(items)
-            self._set_room(gid, group, self._max, int(room))
+            self._open(int(room), list(items))
+        self.restore_held(state)
         self._emitted = int(state[EMITTED_KEY])
         self._tokens = int(state[TOKENS_KEY])
         self._dropped = int(state[DROPPED_KEY])
         self._draining = bool(state[DRAINING_KEY])
 
     def check_state(self, state: PackState, states: Mapping[str, Any]) -> None:
+        # After an interrupt one full group (room 0) may not have left yet, and
+        # the groups may hold one item more than buffer_size (the oldest leaves next).
+        self.check_held(state.held, 0 if state.draining else 1)
+        full = 0
         for i, (room, _items) in enumerate(state.groups):
-            if not 0 < room <= self._max:
-                expected = f"room in 1..max_tokens={self._max} (a full group has left)"
+            if not 0 <= room <= self._max or (room == 0 and full):
+                expected = f"room in 0..max_tokens={self._max}, 0 for one group at most"
                 raise FieldError(f"groups[{i}][0]", expected, room)
+            full += room == 0
         held = sum(len(items) for _, items in state.groups)
-        if held > self._buffer_size:
-            expected = f"at most buffer_size={self._buffer_size} items in open groups"
+        if held > self._buffer_size + 1:
+            expected = f"at most buffer_size + 1 = {self._buffer_size + 1} items in open groups"
             raise FieldError("groups", expected, f"{held} items")
         if state.tokens > state.emitted * self._max:
             expected = f"<= emitted * max_tokens = {state.emitted * self._max}"
@@ -348,7 +388,7 @@ class Pack(CentralNode[list[Any]]):
             "capacity": capacity,
             "fill_rate": self._tokens / capacity if capacity else None,
             "dropped": self._dropped,
-            "buffered": self._held,
+            "buffered": self._buffered,
             "open_groups": len(self._groups),
             "draining": self._draining,
         }

@@ -21,10 +21,16 @@ For the delivered view of ``count`` stages before the shard, the shard
 remembers each item's *arrival stamp* (those counts as the item reached the
 shard): queued items carry theirs from the checkpoint, items held for a round
 keep theirs in ``round_stamps``, and :meth:`stamp` gives the emitted item's.
+
+Interrupts: between taking an item from the source and keeping it (in the
+round, or by returning it) the shard calls no Python function (the live
+counts are read by ``operator.attrgetter``), so an interrupt (Ctrl-C) in a
+nested ``next()`` or at any call of its own finds the state whole.
 """
 
 from __future__ import annotations
 
+import operator
 from collections import deque
 from collections.abc import Mapping
 from typing import Any
@@ -51,6 +57,8 @@ SOURCE_INDEX_KEY = "source_index"
 DROP_KEY = "drop"
 
 Stamp = tuple[tuple[int, float], ...]
+#: A count's totals, read in C: no function call, so no point for an interrupt.
+_TOTALS = operator.attrgetter("items", "weight")
 
 _INDEX = checked(FieldError, "an int >= 0", int_in(0, 2**63))
 _LIST = checked(FieldError, "a list", sequence_of())
@@ -140,7 +148,7 @@ class Shard(CentralNode[Any]):
         return self._equalize
 
     def _live(self) -> Stamp:
-        return tuple((c.items, c.weight) for c in self.counts)
+        return tuple(map(_TOTALS, self.counts))
 
     def _consume(self) -> Any:
         """The next central item (queued first), with ``self.arrival`` set."""
@@ -172,7 +180,10 @@ class Shard(CentralNode[Any]):
                 item = self._consume()
                 if p % ws == rank:
                     if counted:
-                        self._emitted = self.arrival if self.arrival is not None else self._live()
+                        arrival = self.arrival
+                        self._emitted = (
+                            arrival if arrival is not None else tuple(map(_TOTALS, self.counts))
+                        )
                     return item
         if self._done:
             raise StopIteration
@@ -191,11 +202,12 @@ class Shard(CentralNode[Any]):
                     return out
                 self._round, self._round_stamps = [], []
                 raise
-            rnd.append(item)
-            if counted:
+            if counted:  # the stamp first: the round and its stamps stay aligned
+                arrival = self.arrival
                 self._round_stamps.append(
-                    self.arrival if self.arrival is not None else self._live()
+                    arrival if arrival is not None else tuple(map(_TOTALS, self.counts))
                 )
+            rnd.append(item)
             if len(rnd) == ws:
                 out = rnd[rank]
                 if counted:

@@ -4,6 +4,12 @@ Each resumes without replay where it can: sequences, datasets and file lists by
 index. A re-iterable without indexing (a zero-argument factory, or an object
 whose ``iter()`` is fresh each time) resumes by skipping forward over the items
 already yielded — which re-reads them, so prefer a sequence for large sources.
+
+An interrupt (Ctrl-C) inside a source's own code (a dataset's ``__getitem__``,
+an iterator's ``__next__``) hands out nothing and does not move the index. An
+iterator it went through is finished by it (a generator cannot go on after
+an exception), so the next ``next()`` opens the re-iterable again and skips
+forward to the index, as a resume does.
 """
 
 from __future__ import annotations
@@ -94,8 +100,15 @@ class IterableSource(CentralNode[Any]):
                 raise StopIteration
             item = self._iterable[self._index]
         else:
-            assert self._it is not None  # set by restore()
-            item = next(self._it)
+            if self._it is None:
+                self._reopen()
+            assert self._it is not None
+            try:
+                item = next(self._it)
+            except BaseException as exc:
+                if not isinstance(exc, Exception):  # interrupted: the iterator is over
+                    self._it = None
+                raise
         self._index += 1
         return item
 
@@ -111,8 +124,15 @@ class IterableSource(CentralNode[Any]):
                     raise StopIteration
                 out.extend(map(seq.__getitem__, range(i, end)))
             else:
-                assert self._it is not None  # set by restore()
-                out.extend(itertools.islice(self._it, n))
+                if self._it is None:
+                    self._reopen()
+                assert self._it is not None
+                try:
+                    out.extend(itertools.islice(self._it, n))
+                except BaseException as exc:
+                    if not isinstance(exc, Exception):  # interrupted: the iterator is over
+                        self._it = None
+                    raise
                 if len(out) == before:
                     raise StopIteration
         finally:
@@ -132,17 +152,23 @@ class IterableSource(CentralNode[Any]):
 
     def restore(self, state: dict[str, Any] | None) -> None:
         self._index = 0 if state is None else state[INDEX_KEY]
+        self._it = None
         if self._mode != "sequence":
-            self._it = iter(self._iterable() if self._mode == "factory" else self._iterable)
-            if self._index:
-                # One-shot sources cannot seek: skip what was already yielded.
-                skipped = sum(1 for _ in itertools.islice(self._it, self._index))
-                if skipped < self._index:
-                    msg = (
-                        f"stage '{self.name}': checkpoint is at item {self._index} but the "
-                        f"iterable now has only {skipped} items."
-                    )
-                    raise CheckpointError(msg)
+            self._reopen()
+
+    def _reopen(self) -> None:
+        """A fresh iterator of the re-iterable, moved forward to ``index``."""
+        it = iter(self._iterable() if self._mode == "factory" else self._iterable)
+        if self._index:
+            # One-shot sources cannot seek: skip what was already yielded.
+            skipped = sum(1 for _ in itertools.islice(it, self._index))
+            if skipped < self._index:
+                msg = (
+                    f"stage '{self.name}': checkpoint is at item {self._index} but the "
+                    f"iterable now has only {skipped} items."
+                )
+                raise CheckpointError(msg)
+        self._it = it
 
     def length(self) -> int | None:
         return len(self._iterable) if self._mode == "sequence" else None

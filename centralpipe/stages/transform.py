@@ -3,6 +3,10 @@
 ``map`` and ``filter`` keep no state of their own. ``flat_map`` keeps the
 outputs of the current input that were not yet emitted, so a checkpoint in the
 middle of one input's outputs resumes exactly without calling ``fn`` again.
+
+An interrupt (any exception that is not an ``Exception``, e.g. Ctrl-C) inside
+``fn`` leaves its input held (``{"held": [input]}``): the next ``next()``
+calls ``fn`` on it again, and a checkpoint taken meanwhile resumes there.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import attrs
 from torchdata.nodes import BaseNode
 
 from centralpipe.pipeline import StageSpec
-from centralpipe.stages.base import CentralNode, NoState, RunContext, Total
+from centralpipe.stages.base import HELD, CentralNode, HeldState, RunContext, Total
 from centralpipe.validators import FieldError, checked, sequence_of
 
 __all__ = ["Filter", "FlatMap", "FlatMapState", "Map"]
@@ -26,11 +30,26 @@ PENDING_KEY = "pending"
 @attrs.frozen(kw_only=True)
 class FlatMapState:
     pending: list[Any] = attrs.field(validator=checked(FieldError, "a list", sequence_of()))
+    held: list[Any] = attrs.field(factory=list, validator=HELD)
 
 
-class Map(CentralNode[Any]):
+class _OneHeld(CentralNode[Any]):
+    """A stage that holds at most the one input of an interrupted call."""
+
+    State = HeldState
+
+    def own_state(self) -> dict[str, Any]:
+        return self.with_held({})
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        self.restore_held(state)
+
+    def check_state(self, state: Any, states: Any) -> None:
+        self.check_held(state.held, 1)
+
+
+class Map(_OneHeld):
     kind = "map"
-    State = NoState
 
     @classmethod
     def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> Map:
@@ -50,12 +69,18 @@ class Map(CentralNode[Any]):
 
     def produce(self) -> Any:
         assert self.source is not None
-        return self._fn(next(self.source))
+        held = self.held
+        item = held.pop() if held else next(self.source)
+        try:
+            return self._fn(item)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # interrupted: the next call retries it
+                held.append(item)
+            raise
 
 
-class Filter(CentralNode[Any]):
+class Filter(_OneHeld):
     kind = "filter"
-    State = NoState
 
     @classmethod
     def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> Filter:
@@ -75,10 +100,16 @@ class Filter(CentralNode[Any]):
 
     def produce(self) -> Any:
         assert self.source is not None
-        pred, source = self._pred, self.source
+        pred, source, held = self._pred, self.source, self.held
         while True:
-            item = next(source)
-            if pred(item):
+            item = held.pop() if held else next(source)
+            try:
+                keep = pred(item)
+            except BaseException as exc:
+                if not isinstance(exc, Exception):  # interrupted: the next call retries it
+                    held.append(item)
+                raise
+            if keep:
                 return item
 
 
@@ -104,12 +135,27 @@ class FlatMap(CentralNode[Any]):
 
     def produce(self) -> Any:
         assert self.source is not None
-        while not self._pending:
-            self._pending.extend(self._fn(next(self.source)))
-        return self._pending.popleft()
+        pending, held = self._pending, self.held
+        while not pending:
+            item = held.pop() if held else next(self.source)
+            outputs: list[Any] = []
+            try:
+                outputs.extend(self._fn(item))
+            except BaseException as exc:
+                if isinstance(exc, Exception):  # a failure: the outputs made so far go on
+                    pending.extend(outputs)
+                else:  # interrupted: the next call runs fn on it again
+                    held.append(item)
+                raise
+            pending.extend(outputs)
+        return pending.popleft()
 
     def own_state(self) -> dict[str, Any]:
-        return {PENDING_KEY: list(self._pending)}
+        return self.with_held({PENDING_KEY: list(self._pending)})
 
     def restore(self, state: dict[str, Any] | None) -> None:
         self._pending = deque(() if state is None else state[PENDING_KEY])
+        self.restore_held(state)
+
+    def check_state(self, state: FlatMapState, states: Any) -> None:
+        self.check_held(state.held, 0 if state.pending else 1)

@@ -123,17 +123,7 @@ class Loader(Generic[T]):
         return self._iterate(self._iters, self._start_run())
 
     def _iterate(self, ticket: int, run: Run | None) -> Iterator[T]:
-        # A generator of the Loader, not of the run: `for x in Loader(...)`
-        # must keep the Loader (and so its workers) alive while it iterates.
-        if run is None:
-            if ticket != self._iters:
-                raise RuntimeError(
-                    "this iterator was superseded before it started: iter(loader) was called "
-                    "again; iterate the newest iterator."
-                )
-            self._check_open()
-            run = self._start_run()
-        yield from run.outputs()
+        return _Pass(self, ticket, run)
 
     def _start_run(self) -> Run:
         """Start the pending resume or the next epoch.
@@ -229,7 +219,12 @@ class Loader(Generic[T]):
         )
 
     def _ensure_pool(self) -> Executor:
-        if self._res.pool is None:
+        res = self._res
+        if res.pool is not None and res.pool.closed:
+            # A failed start whose close was cut short (Ctrl-C): finish it.
+            res.pool.close()
+            res.pool = None
+        if res.pool is None:
             import os
 
             w = self._config.workers
@@ -241,13 +236,16 @@ class Loader(Generic[T]):
                 pool = ProcessPool(
                     w.num_workers, spec, w.resolved_start_method(), w.shared_memory_bytes
                 )
+            # Registered before it starts: close() (or the finalizer) ends a
+            # start cut short at any point, and its close if that is cut too.
+            res.pool = pool
             try:
                 pool.start()
             except BaseException:
                 pool.close()  # no half-started pool: the next iteration starts afresh
+                res.pool = None
                 raise
-            self._res.pool = pool
-        return self._res.pool
+        return res.pool
 
     def total(self, stage: str | None = None) -> Total | None:
         """Items one whole epoch yields, known without iterating: a
@@ -464,3 +462,37 @@ class Loader(Generic[T]):
             return
         specs = [*(n.spec for n in self._segments), *self._pipe.worker_stages]
         check_picklable(specs, w.resolved_start_method())
+
+
+class _Pass(Iterator[T]):
+    """One pass's iterator. It holds the Loader, not only the run: ``for x
+    in Loader(...)`` must keep the Loader (and so its workers) alive while
+    it iterates. Not a generator, so a Ctrl-C inside ``next()`` ends
+    nothing: an interrupted start is started again by the next ``next()``,
+    an interrupted delivery goes on where it was."""
+
+    def __init__(self, loader: Loader[T], ticket: int, run: Run | None) -> None:
+        self._loader = loader
+        self._ticket = ticket
+        self._run = run
+        self._outputs: Iterator[Any] | None = None
+
+    def __iter__(self) -> _Pass[T]:
+        return self
+
+    def __next__(self) -> T:
+        outputs = self._outputs
+        if outputs is None:
+            if self._run is None:
+                loader = self._loader
+                if self._ticket != loader._iters:
+                    raise RuntimeError(
+                        "this iterator was superseded before it started: iter(loader) was "
+                        "called again; iterate the newest iterator."
+                    )
+                loader._check_open()
+                # Kept as soon as it is started (no call in between): a Ctrl-C
+                # after this point must not start the pass a second time.
+                self._run = loader._start_run()
+            outputs = self._outputs = self._run.outputs()
+        return next(outputs)

@@ -90,13 +90,14 @@ class ResultBytes:
                 )
 
     def release(self, stream: Any, chunk: Any) -> None:
-        """``chunk`` was delivered: its bytes are no longer held."""
-        if chunk.result is None:
+        """``chunk`` was delivered: its bytes are no longer held. Idempotent:
+        a retirement cut short by Ctrl-C is done again by the next ``next()``."""
+        if chunk.result is None or chunk.held_bytes < 0:
             return
         with self._lock:
             was_full = self.full()
             self.held -= chunk.held_bytes
-            chunk.held_bytes = 0
+            chunk.held_bytes = -1  # released
             sid = stream.stream_id
             self._held_items[sid] = self._held_items.get(sid, 0) - len(chunk.items)
             room = was_full and not self.full()

@@ -107,6 +107,9 @@ class Slot:
         # The worker's shared-memory ring for results (dispatch.shm), one per
         # worker generation; None without one.
         self.ring: shm.Ring | None = None
+        #: A send to this worker was cut short (Ctrl-C) and it was killed
+        #: for it: its replacement is no fault of the item it was on.
+        self.cut_short = False
 
     def ready(self) -> bool:
         """The worker got as far as its receive loop."""
@@ -215,8 +218,10 @@ class ProcessPool(Executor):
         # A pipe to ourselves: interrupt() makes wait() return at once.
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
         self._paused: frozenset[int] = frozenset()
-        #: Every pipe end opened for a worker and maybe not yet closed.
+        #: Every pipe end and ring opened for a worker and maybe not yet
+        #: closed: a close cut short (Ctrl-C) anywhere is finished by close().
         self._ends: list[Connection] = []
+        self._rings: list[shm.Ring] = []
         if start_method == "forkserver":
             warm_up(start_method)
 
@@ -237,11 +242,14 @@ class ProcessPool(Executor):
         self._ends = [c for c in self._ends if not c.closed]
         self._ends += [parent, child, death_r, death_w]
         ring = None
+        proc = None
         try:
             for conn in (parent, child):
                 _grow_socket_buffers(conn)
             if self.ring_bytes:
+                self._rings = [r for r in self._rings if not r.released_all()]
                 ring = shm.Ring(self.ring_bytes)
+                self._rings.append(ring)
             slot.status = self.ctx.RawArray("d", STATUS_LEN)
             close_fds = (
                 [*self._parent_fds(), parent.fileno(), death_w.fileno()]
@@ -267,19 +275,19 @@ class ProcessPool(Executor):
             # is noticed by its sentinel and replaced like any dead worker.
             if ring is not None:
                 ring.hand_over(parent)
+            # Registered before the finally: cut short there, it is ours to close.
+            slot.process, slot.conn, slot.death, slot.ring = proc, parent, death_w, ring
         except BaseException:
             parent.close()  # a failed start leaks no end of either pipe
             death_w.close()
             if ring is not None:
                 ring.close()
+            if proc is not None and proc.pid is not None:
+                _reap(proc)  # started, then cut short: it got EOF; no zombie, no sentinel fd
             raise
         finally:
             child.close()
             death_r.close()
-        slot.process = proc
-        slot.conn = parent
-        slot.death = death_w
-        slot.ring = ring
 
     def set_run(self, run_id: int) -> None:
         self.current_run.value = run_id
@@ -296,12 +304,14 @@ class ProcessPool(Executor):
 
     def _close_ring(self, slot: Slot) -> None:
         """Close the slot's ring once its worker is reaped: no later write of
-        that worker can reach the ring of the next one."""
-        if slot.ring is not None:
-            self._closed_ring_bytes[0] += slot.ring.ring_bytes
-            self._closed_ring_bytes[1] += slot.ring.pipe_bytes
-            slot.ring.close()
+        that worker can reach the ring of the next one. Forgotten only once
+        closed: a close cut short is finished by the next call."""
+        ring = slot.ring
+        if ring is not None:
+            ring.close()
             slot.ring = None
+            self._closed_ring_bytes[0] += ring.ring_bytes
+            self._closed_ring_bytes[1] += ring.pipe_bytes
 
     def send(self, slot: Slot, message: Encoded) -> bool:
         if slot.conn is None:
@@ -314,6 +324,14 @@ class ProcessPool(Executor):
             return True
         except (OSError, EOFError, ValueError):
             return False  # the worker died; the supervisor replaces it
+        except BaseException:
+            # Cut short (Ctrl-C in a thread that sends): part of the message
+            # may be in the pipe, and the worker could not read the next one
+            # in step. It is killed and replaced (its chunks are sent again),
+            # with no strike against the item it was on.
+            slot.cut_short = True
+            self.kill(slot)
+            raise
         finally:
             slot.sending = False
 
@@ -362,14 +380,17 @@ class ProcessPool(Executor):
         """Kill (if needed) and reap the slot's process, close its pipe and
         start a new one. The caller holds ``slot.send_lock``, so no sender is
         writing to the old pipe while it is closed."""
-        old, slot.process = slot.process, None
-        _reap(old)
+        # Forgotten only once reaped: a replacement cut short (Ctrl-C, when
+        # ensure_alive() runs in the consumer) is finished by the next call.
+        _reap(slot.process)
+        slot.process = None
         _close_death(slot)
         self._close_ring(slot)
         if slot.conn is not None:
             slot.conn.close()  # at once: one fd per restart must not pile up
             slot.conn = None
         slot.gen += 1
+        slot.cut_short = False
         self._start(slot)
 
     def kill(self, slot: Slot) -> None:
@@ -415,6 +436,8 @@ class ProcessPool(Executor):
             self._close_ring(slot)
         for end in self._ends:
             end.close()
+        for ring in self._rings:
+            ring.close()
         self._wake_r.close()
         self._wake_w.close()
         self.shut = True

@@ -36,17 +36,17 @@ import operator
 import threading
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from centralpipe.dispatch.budget import ResultBytes
 from centralpipe.dispatch.chain import WorkerChain
 from centralpipe.dispatch.guard import hold
-from centralpipe.dispatch.protocol import Chunk, ChunkResult, InFlight
+from centralpipe.dispatch.protocol import Chunk, ChunkResult, InFlight, StageFailure
 from centralpipe.dispatch.stamps import Stamper
 from centralpipe.errors import CheckpointError, WorkerError
 from centralpipe.stages import CentralNode
 
-__all__ = ["FIRST_CHUNK", "Driver", "Stamper", "Stream", "StreamStats"]
+__all__ = ["FIRST_CHUNK", "Driver", "Outputs", "Stamper", "Stream", "StreamStats"]
 
 logger = logging.getLogger("centralpipe")
 
@@ -68,6 +68,27 @@ class Driver(abc.ABC):
     def worker_states(self) -> list[Any] | None:
         """The workers' stateful-stage states (``None``: not a pool)."""
         return None
+
+
+#: ``next(it, _END)``: the current chunk has no more outputs.
+_END: Any = object()
+
+
+class Outputs(Iterator[Any]):
+    """A stream's outputs in ``seq`` order (:meth:`Stream.next_output`).
+
+    Not a generator: a Ctrl-C raised inside a generator would end it, and the
+    pass could not go on. This iterator ends only at the end of the stream or
+    after an error."""
+
+    def __init__(self, stream: Stream) -> None:
+        self.stream = stream
+
+    def __iter__(self) -> Outputs:
+        return self
+
+    def __next__(self) -> Any:
+        return self.stream.next_output()
 
 
 class StreamStats:
@@ -174,6 +195,14 @@ class Stream:
         self._cur_base = 0
         #: The current chunk has no failures: its outputs may be taken in bulk.
         self._cur_plain = False
+        #: Outputs of the current chunk before its first failure, and that failure.
+        self._cur_limit = 0
+        self._cur_failure: StageFailure | None = None
+        #: The iteration is ending (finished or failed), and with what error;
+        #: ended: every later ``next()`` raises ``StopIteration``.
+        self._ending = False
+        self._end_error: BaseException | None = None
+        self._ended = False
 
     # -- stamps ----------------------------------------------------------------
 
@@ -239,51 +268,123 @@ class Stream:
         assert self.driver is not None
         return self.driver.wait_head()
 
-    def outputs(self) -> Iterator[Any]:
-        """Outputs in ``seq`` order; raises the central stage's exception (after
-        delivering everything before it) or a ``WorkerError``."""
+    def outputs(self) -> Outputs:
+        """Outputs in ``seq`` order (see :meth:`next_output`)."""
+        return Outputs(self)
+
+    def next_output(self) -> Any:
+        """The next output in ``seq`` order; raises the central stage's
+        exception (after delivering everything before it) or a
+        ``WorkerError``, and then ends (``StopIteration``).
+
+        A Ctrl-C (or any ``BaseException`` that is not an ``Exception``) is
+        raised as it lands and ends nothing: every step re-reads the
+        stream's state, which stays whole at every function call, so the
+        next call goes on exactly where the interrupted one was."""
+        if self._ended:
+            raise StopIteration
+        if self._ending:
+            self._end()
         while True:
+            chunk = self.current
+            if chunk is not None:
+                out = self._next_in_current(chunk)
+                if out is not _END:
+                    return out
+                self._retire(chunk)
+                continue
             if self.stopping:
+                self._ended = True
                 raise RuntimeError(
                     "this iterator was superseded: iter(loader), load_state_dict() or close() "
                     "was called since it started; iterate the loader again."
                 )
             chunk = self.wait_head()
             if chunk is None:
-                break
+                if self.central_error is not None:
+                    # Not finished: a checkpoint now resumes after the item the
+                    # central stage raised on (consumed by the failing stage).
+                    self.broken = True
+                    self._end_error = self.central_error
+                else:
+                    self.finished = True
+                self._ending = True
+                self._end()
             result = chunk.result
             assert result is not None
             if chunk.bad_skip:
                 self.broken = True
-                self.stop()
-                raise CheckpointError(chunk.bad_skip)
+                self._end_error = CheckpointError(chunk.bad_skip)
+                self._ending = True
+                self._end()
             if chunk.pinned is not None:
                 result = self._take_pinned(chunk, result)
-            self.current = chunk
-            self._cur_base = 0
-            self._cur_list = result.outputs
-            it = iter(result.outputs)
-            self._cur_it = it
-            self._cur_plain = result.failures is None
-            if result.failures is None:
-                yield from it
-            else:
-                yield from self._deliver_failing(chunk, result, it)
-            self._retire(chunk)
-        if self.central_error is not None:
-            # Not finished: a checkpoint now resumes after the item the central
-            # stage raised on (that item was consumed by the failing stage).
-            self.broken = True
-            self.stop()
-            raise self.central_error
-        self.finished = True
+            self._begin(chunk, result)
+
+    def _end(self) -> NoReturn:
+        """Stop the stream and end the iteration (``StopIteration``, or the
+        error that ended it); finished by the next call if cut short."""
         self.stop()
+        self._ended = True
+        if self._end_error is None:
+            raise StopIteration
+        raise self._end_error
+
+    def _begin(self, chunk: Chunk, result: ChunkResult) -> None:
+        """Start delivering ``chunk``: its outputs up to its first failure."""
+        outputs = result.outputs
+        limit = len(outputs)
+        failure = None
+        if result.failures:
+            failure = result.failures[0]
+            for f in result.failures:
+                if f.at < failure.at:
+                    failure = f
+            counts = result.counts or [1] * len(chunk.items)
+            limit = sum(counts[: failure.at])
+        # Plain assignments only, ``current`` last: a Ctrl-C leaves the chunk
+        # either not begun or begun whole.
+        self._cur_base = 0
+        self._cur_list = outputs
+        self._cur_limit = limit
+        self._cur_failure = failure
+        self._cur_plain = result.failures is None
+        self._cur_it = iter(outputs)
+        self.current = chunk
+
+    def _next_in_current(self, chunk: Chunk) -> Any:
+        """The current chunk's next output, ``_END`` once it is delivered
+        (or ended by ``stop()``); raises its failure in its item's place."""
+        it = self._cur_it
+        assert it is not None
+        failure = self._cur_failure
+        if failure is None or self._delivered_in_current() < self._cur_limit:
+            return next(it, _END)
+        if self.stopping:  # stop() ended the chunk: superseded
+            return _END
+        seq = chunk.first_seq + failure.at
+        msg = failure.text or (
+            f"worker stage '{failure.stage}' raised {failure.exc_type} on item seq {seq}: "
+            f"{failure.message}"
+        )
+        error = WorkerError(
+            msg,
+            stage=failure.stage,
+            seq=seq,
+            exc_type=failure.exc_type or None,
+            remote_traceback=failure.traceback or None,
+            exitcode=failure.exitcode,
+        )
+        chunk.raised_at = failure.at
+        self.broken = True
+        self._ended = True
+        raise error
 
     def take_plain(self, out: list[Any], n: int) -> int:
         """Append up to ``n`` undelivered outputs of the current chunk to
         ``out`` in one slice, when it has no failures (else none); returns
-        how many. Delivers them exactly as :meth:`outputs` would: it reads
-        the same iterator, which the next ``outputs()`` step finds
+        how many. Delivers them exactly as :meth:`next_output` would: it
+        reads the same iterator, which the next :meth:`next_output` finds
         advanced. Only for the thread consuming this stream."""
         it = self._cur_it
         if it is None or not self._cur_plain:
@@ -301,55 +402,31 @@ class Stream:
                 break
             except concurrent.futures.TimeoutError:
                 if self.stopping:
+                    self._ended = True
                     raise RuntimeError("this iterator was superseded while pinning") from None
-        chunk.pinned = None
         result = result._replace(outputs=pinned)
         chunk.result = result
+        chunk.pinned = None
         return result
 
-    def _deliver_failing(
-        self, chunk: Chunk, result: ChunkResult, it: Iterator[Any]
-    ) -> Iterator[Any]:
-        failed = {f.at: f for f in result.failures or ()}
-        counts = result.counts or [1] * len(chunk.items)
-        for i, n in enumerate(counts):
-            f = failed.get(i)
-            if f is not None:
-                chunk.raised_at = i
-                self.broken = True
-                seq = chunk.first_seq + i
-                msg = f.text or (
-                    f"worker stage '{f.stage}' raised {f.exc_type} on item seq {seq}: {f.message}"
-                )
-                raise WorkerError(
-                    msg,
-                    stage=f.stage,
-                    seq=seq,
-                    exc_type=f.exc_type or None,
-                    remote_traceback=f.traceback or None,
-                    exitcode=f.exitcode,
-                )
-            for _ in range(n):
-                try:
-                    yield next(it)
-                except StopIteration:  # stop() ended the chunk: superseded
-                    return
-
     def _retire(self, chunk: Chunk) -> None:
+        """The current chunk is delivered. Its bytes first (idempotent), then
+        plain bookkeeping with no call in between, ``current`` cleared last:
+        a Ctrl-C leaves it retired whole or not at all."""
+        if self.held is not None:
+            self.held.release(self, chunk)
         with self.cond:
             self.pending.popleft()
             self.by_cid.pop(chunk.cid, None)
             self.in_flight -= len(chunk.items)
-            if self.held is not None:
-                self.held.release(self, chunk)
             if chunk.stamps:
                 self.last_stamp = chunk.stamps[-1]
             done = len(chunk.result.outputs) if chunk.result else 0
             self.stats.delivered += done
             self.delivered += done
-            self.current = None
             self._cur_it = None
             self._cur_plain = False
+            self.current = None
             self.cond.notify_all()
         if self.wake is not None:
             with self.wake:

@@ -100,7 +100,13 @@ def pull_chunk(s: Stream) -> Chunk | None:
     move under ``s.lock`` before the slice ends, so a reader holding both
     sees every pulled item either in a pending chunk or not yet pulled.
     After the stream is stopped, no slice starts: a thread that was inside
-    ``next()`` leaves the chain when that call returns."""
+    ``next()`` leaves the chain when that call returns.
+
+    Only an ``Exception`` from the chain is a central stage's failure (it
+    ends the stream after the items before it). Anything else — Ctrl-C
+    (``KeyboardInterrupt``), ``SystemExit`` — is re-raised at once, after the
+    items pulled so far are kept in the chunk, closed (:func:`_keep`): the
+    drivers then run it like any other, so the pass goes on exactly."""
     target = target_chunk(s)
     stamped = bool(s._stamped)
     with s.lock:
@@ -113,6 +119,50 @@ def pull_chunk(s: Stream) -> Chunk | None:
         s.next_cid += 1
         s.pending.append(chunk)
         s.by_cid[chunk.cid] = chunk
+    counted = [0]  # items of the chunk already counted in next_seq and in_flight
+    try:
+        return _fill(s, chunk, target, counted)
+    except BaseException:
+        _keep(s, chunk, counted)
+        raise
+
+
+def _count(s: Stream, chunk: Chunk, counted: list[int]) -> None:
+    """Under ``s.lock``: count the chunk's items not yet counted. Derived
+    from the chunk itself (its seqs are contiguous, resumed items first), so
+    it is right wherever a slice was cut short."""
+    n = len(chunk.items)
+    s.in_flight += n - counted[0]
+    counted[0] = n
+    end = chunk.first_seq + n
+    if end > s.next_seq:
+        s.next_seq = end
+    if s.in_flight > s.stats.high_water:
+        s.stats.high_water = s.in_flight
+
+
+def _keep(s: Stream, chunk: Chunk, counted: list[int]) -> None:
+    """The chunk being filled was cut short (Ctrl-C, or a bug of ours): keep
+    what it holds as a closed chunk, or drop it if empty. No stage has moved
+    since its last item was pulled, so a missing stamp is taken now."""
+    stamps = chunk.stamps
+    try:
+        if stamps is not None and len(stamps) < len(chunk.items):
+            stamps.append(s._stamp_now())
+    finally:
+        with s.lock:
+            _count(s, chunk, counted)
+            if chunk.closed:
+                pass
+            elif chunk.items:
+                chunk.closed = True
+                s.stats.dispatched += len(chunk.items)
+            elif chunk in s.pending:
+                s.pending.remove(chunk)
+                del s.by_cid[chunk.cid]
+
+
+def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | None:
     started = time.perf_counter()
     nxt = s.tip.next
     items, stamps = chunk.items, chunk.stamps
@@ -122,6 +172,7 @@ def pull_chunk(s: Stream) -> Chunk | None:
     pull = s.tip.pull_into if stamps is None else None
     most = PULL_BURST if pull is None else MAX_CHUNK
     chain_lock = s.chain_lock
+    resume = s._resume
     while True:
         if s._readers:
             # Lock hand-off is not fair: drop the GIL so a waiting
@@ -141,20 +192,23 @@ def pull_chunk(s: Stream) -> Chunk | None:
                 break
             t0 = time.perf_counter()
             slice_end = t0 + LOCK_SLICE_S
-            resumed = 0
-            while s._resume and len(items) < target:
-                seq, item, stamp = s._resume.popleft()
+            while resume and len(items) < target:
+                seq, item, stamp = resume[0]
+                if stamps is not None and stamp is None:
+                    stamp = s._stamp_now()
+                # From here to the popleft no function is called: an item is
+                # in the chunk or still to resume, never both or neither.
                 if seq in s._resume_skip:
                     chunk.skip.add(len(items))
                 if seq == s._resume_skip_first[0]:
                     chunk.skip_first = s._resume_skip_first[1]
                 if stamps is not None:
-                    stamps.append(stamp if stamp is not None else s._stamp_now())
+                    stamps.append(stamp)
                 append(item)
-                resumed += 1
+                resume.popleft()
             before = len(items)
             exhausted = False
-            error: BaseException | None = None
+            error: Exception | None = None
             try:
                 while len(items) < target:
                     # Pull in short bursts; look at the clock between them.
@@ -175,12 +229,12 @@ def pull_chunk(s: Stream) -> Chunk | None:
                         break
             except StopIteration:
                 exhausted = True
-            except BaseException as exc:  # a central stage failed
+            except Exception as exc:  # a central stage failed
                 error = exc
                 exhausted = True
                 if stamps is not None and len(stamps) < len(items):
-                    # Interrupted between the pull and its stamp: no stage
-                    # has moved since, so the stamp now is that item's.
+                    # Raised between the pull and its stamp: no stage has
+                    # moved since, so the stamp now is that item's.
                     stamps.append(s._stamp_now())
             added = len(items) - before
             now = time.perf_counter()
@@ -193,11 +247,8 @@ def pull_chunk(s: Stream) -> Chunk | None:
                 if exhausted:
                     s.exhausted = True
                     s.central_error = error
-                s.next_seq += added
-                s.in_flight += added + resumed
+                _count(s, chunk, counted)
                 s.stats.wait_central_s += now - t0
-                if s.in_flight > s.stats.high_water:
-                    s.stats.high_water = s.in_flight
                 done = s.exhausted or len(items) >= target
                 if done or now - started > FLUSH_S:
                     if not items:
@@ -284,15 +335,26 @@ def send_chunk(session: Session, s: Stream, chunk: Chunk) -> None:
         # chunk again per item) may come back before the write returns. A
         # failed write means a dead worker: its replacement bumps ``gen``.
         chunk.sent_gen = slot.gen
-        ex.send(slot, encoded)
+        try:
+            ex.send(slot, encoded)
+        except BaseException:
+            # Cut short (Ctrl-C): not known to be sent. A worker process
+            # that may hold part of it is replaced by the executor (and the
+            # chunk sent again); a worker thread is sent it again.
+            chunk.sent_gen = -1
+            raise
 
 
 def drain_resends(session: Session) -> None:
     """Re-send the chunks of replaced workers (the sending thread only)."""
     while session.resend:
-        stream, chunk = session.resend.popleft()
+        # Taken off the queue once sent: a Ctrl-C in the send (a parallel
+        # stage run by the consumer) leaves it queued, not lost. Only this
+        # thread takes from the queue.
+        stream, chunk = session.resend[0]
         if not stream.stopping:
             send_chunk(session, stream, chunk)
+        session.resend.popleft()
 
 
 def _head_ready(s: Stream) -> bool:
@@ -330,11 +392,18 @@ class InlineDriver(Driver):
     def wait_head(self) -> Chunk | None:
         s = self.stream
         with s.lock:
-            if s.pending and s.pending[0].result is not None:
-                return s.pending[0]
-        chunk = pull_chunk(s)
-        if chunk is None:
-            return None
+            head = s.pending[0] if s.pending else None
+        if head is not None and head.result is not None:
+            return head
+        if head is not None and head.closed:
+            # Pulled, but a Ctrl-C cut the pull or its run short: run it now
+            # (the worker stages depend only on the item and its seq).
+            chunk = head
+        else:
+            pulled = pull_chunk(s)
+            if pulled is None:
+                return None
+            chunk = pulled
         if s.chain.specs:
             # The worker stages get a copy, as a worker would: a stage that
             # mutates its item in place must not change the checkpoint.
@@ -346,6 +415,18 @@ class InlineDriver(Driver):
             result = ChunkResult(list(chunk.items), None, None, 0.0)
         chunk.result = s.accept(chunk, result)
         return chunk
+
+
+def _send_cut_short(session: Session, s: Stream) -> None:
+    """Send the newest chunk if a Ctrl-C left it closed but never sent (in
+    ``pull_chunk``, or in ``send_chunk`` before its write). A chunk whose
+    write was cut short is handled by the executor (its worker is replaced
+    and the chunk sent again); those of replaced workers by
+    :func:`drain_resends`."""
+    with s.lock:
+        last = s.pending[-1] if s.pending else None
+    if last is not None and last.closed and last.result is None and last.sent_gen < 0:
+        send_chunk(session, s, last)
 
 
 class SegmentDriver(Driver):
@@ -364,6 +445,7 @@ class SegmentDriver(Driver):
                 raise RuntimeError("the run was stopped")
             session.check()
             drain_resends(session)
+            _send_cut_short(session, s)
             room = has_room(s) and session.held.may_pull(s)
             if room:
                 chunk = pull_chunk(s)

@@ -198,19 +198,33 @@ class Ring:
             self._unsent = None  # the worker is gone
 
     def close(self) -> None:
-        """Unmap our view and close our descriptors; idempotent. The memory
-        goes when the worker's mapping goes too."""
-        if self.closed:
-            return
+        """Unmap our view and close our descriptors; idempotent, and a close
+        cut short (Ctrl-C) is finished by the next call: ``closed`` (no more
+        reads) is set first, but each descriptor is forgotten only as it is
+        closed, with no function call in between. The memory goes when the
+        worker's mapping goes too."""
         self.closed = True
         try:
             self._view.release()
             self._map.close()
         except BufferError:  # pragma: no cover - a copy still running: unmapped when it ends
             pass
-        for fd in self.fds():
+        fd = self._fd
+        if fd is not None:
+            self._fd = None
             os.close(fd)
-        self._fd = self._release_r = self._release_w = None
+        fd = self._release_r
+        if fd is not None:
+            self._release_r = None
+            os.close(fd)
+        fd = self._release_w
+        if fd is not None:
+            self._release_w = None
+            os.close(fd)
+
+    def released_all(self) -> bool:
+        """Closed, every descriptor included."""
+        return self.closed and not self.fds()
 
 
 class RingWriter:

@@ -262,7 +262,7 @@ class Session:
                 f"worker restarts this epoch, more than max_restarts={self.policy.max_restarts}."
             )
             raise WorkerError(msg, stage=stage, seq=seq, exitcode=exitcode)
-        if where is not None:
+        if where is not None and not slot.cut_short:
             stream, chunk, at, stage = where
             key = (stream.stream_id, chunk.first_seq + at)
             self.strikes[key] += 1

@@ -312,6 +312,70 @@ def test_ctrl_c_in_a_send_to_a_worker(
         assert got + collect(fresh) == expected
 
 
+class Raising(Flaky):
+    """:class:`Flaky` that raises ``exc`` instead."""
+
+    def __init__(self, n: int, at: int, exc: type[BaseException]) -> None:
+        super().__init__(n, at)
+        self.exc = exc
+
+    def __getitem__(self, i: int) -> int:  # type: ignore[override]
+        if i == self.at and not self.fired:
+            self.fired = True
+            raise self.exc
+        return super().__getitem__(i)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_a_base_exception_from_a_central_stage_in_the_feeder(exc: type[BaseException]) -> None:
+    """A central stage run by the feeder thread raises KeyboardInterrupt or
+    SystemExit: the consumer gets it as raised (not wrapped, not a stage
+    failure delivered late), the checkpoint taken then resumes exactly, and
+    no thread is left."""
+    expected = [2 * i for i in range(N)]
+    config = loader_config(num_workers=2, buffer_size=32, chunk_size=8)
+    with cp.Loader(_pipe("inline-stamped", Raising(N, 37, exc)), config) as loader:
+        it = iter(loader)
+        got: list[int] = []
+        with pytest.raises(exc):
+            while True:
+                got.append(next(it))
+        sd = loader.state_dict()
+    with cp.Loader(_pipe("inline-stamped", range(N)), config) as fresh:
+        fresh.load_state_dict(sd)
+        assert got + collect(fresh) == expected
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_as_worker_states_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Interrupted as worker_states() asks the workers: the flag that makes
+    the supervisor read every worker (ignoring the byte bound) is not left
+    set, and the pass goes on exactly."""
+    real = ProcessPool.interrupt
+
+    def interrupt(self: ProcessPool) -> None:
+        if sys._getframe(1).f_code.co_name == "worker_states" and not fired:
+            fired.append(1)
+            raise KeyboardInterrupt
+        real(self)
+
+    fired: list[int] = []
+    expected = [2 * i for i in range(N)]
+    config = loader_config(num_workers=2, buffer_size=32, chunk_size=8)
+    with cp.Loader(_pipe("inline-stamped", range(N)), config) as loader:
+        it = iter(loader)
+        got = [next(it) for _ in range(10)]
+        monkeypatch.setattr(ProcessPool, "interrupt", interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            loader.worker_states()
+        monkeypatch.undo()
+        run = loader._res.run
+        assert fired and run is not None and run.session is not None
+        assert run.session.asking is False
+        assert got + list(it) == expected
+
+
 # -- sweeps: an interrupt at every function entry of a call --------------------
 
 

@@ -505,7 +505,7 @@ class FeederDriver(Driver):
                 chunk = pull_chunk(s)
                 if chunk is not None:
                     send_chunk(session, s, chunk)
-        except BaseException as exc:  # pragma: no cover - a bug; reported by the consumer
+        except BaseException as exc:  # a bug, or a central stage's BaseException
             self.error = exc
             session.notify()
 
@@ -517,8 +517,14 @@ class FeederDriver(Driver):
                 done, head = _take_head(s)
                 if done:
                     return head
-                if self.error is not None:
-                    raise RuntimeError("centralpipe feeder thread failed") from self.error
+                error = self.error
+                if error is not None:
+                    if not isinstance(error, Exception):
+                        # KeyboardInterrupt, SystemExit raised by a central
+                        # stage in the feeder: what it raised, at once. The
+                        # items pulled so far are kept (pull_chunk).
+                        raise error
+                    raise RuntimeError("centralpipe feeder thread failed") from error
                 session.check()
                 with session.wake:
                     if not _head_ready(s) and session.error is None and self.error is None:

@@ -324,8 +324,8 @@ class Session:
         answered through the supervisor thread, never the consumer)."""
         self.states = {}
         self.asking = True  # workers paused for the byte bound answer too
-        self.executor.interrupt()
         try:
+            self.executor.interrupt()
             for slot in self.executor.slots:
                 with slot.send_lock:
                     self.executor.send_control(slot, (MSG_STATES,))

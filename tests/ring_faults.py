@@ -26,23 +26,30 @@ def tensor_of(x: int, numel: int = 65536) -> torch.Tensor:
 
 
 def _tear_next_write(marker: str) -> None:
-    """In this worker: the next ring write stops halfway through its bytes
-    (the rest left as it was, the first half garbage), then SIGKILL."""
-    from centralpipe.dispatch import shm
+    """In this worker: the next ring write (of a result as it is made, or of
+    a message) stops halfway through its bytes (the first half garbage, the
+    rest as it was), then SIGKILL."""
+    from centralpipe.dispatch import shm, stash
 
-    def place(self: Any, buf: memoryview) -> int:
-        n = buf.nbytes
-        start = self._fit(n)
+    def tear(self: Any, n: int) -> None:
+        start = self._alloc(shm.aligned(n))
         if start >= 0:
-            off = start % self.capacity
             half = n // 2
-            self._view[off : off + half] = bytes([TORN_BYTE]) * half
+            self._view[start : start + half] = bytes([TORN_BYTE]) * half
         with open(marker + ".torn", "w") as f:
             f.write(str(start))
         os.kill(os.getpid(), signal.SIGKILL)
+
+    def reserve(self: Any, size: int) -> int:
+        tear(self, size)
         return -1  # pragma: no cover - killed above
 
-    shm.RingWriter.place = place  # type: ignore[method-assign]
+    def place(self: Any, buf: memoryview) -> int:
+        tear(self, buf.nbytes)
+        return -1  # pragma: no cover - killed above
+
+    stash.RingWriter.reserve = reserve  # type: ignore[method-assign]
+    stash.RingWriter.place = place  # type: ignore[method-assign]
 
 
 def tear_once(x: int, *, at: int, marker: str) -> torch.Tensor:

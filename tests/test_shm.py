@@ -11,6 +11,8 @@ validation.
 from __future__ import annotations
 
 import functools
+import gc
+import itertools
 import os
 import signal
 import subprocess
@@ -23,9 +25,11 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import centralpipe as cp
-from centralpipe.dispatch import shm
+from centralpipe.dispatch import shm, stash
 from tests import ring_faults
 from tests._leaks import shm_entries, wait_for_new_shm
 
@@ -82,6 +86,7 @@ def test_zero_turns_the_ring_off() -> None:
     """``shared_memory_bytes=0``: same outputs, every buffer through the pipe."""
     pipe = cp.Pipeline.from_iterable(range(40)).dispatch().map(ring_faults.tensor_of)
     with cp.Loader(pipe, _config(shared_memory_bytes=0)) as loader:
+        gc.collect()  # results of earlier tests, kept in reference cycles
         out = list(loader)
         assert "transport" not in loader.metrics()["dispatch"] or (
             _transport(loader)["shared_memory_bytes"] == 0
@@ -107,30 +112,34 @@ def test_worker_killed_mid_write_yields_no_torn_result(tmp_path: Path, start_met
         assert torch.equal(t, ring_faults.tensor_of(i)), f"item {i} is torn"
 
 
-def _open_fds_after_epoch(fn: Any, config: cp.LoaderConfig) -> tuple[int, int, list[Any]]:
-    """(restarts, descriptors open, outputs) at the end of one epoch of ``fn``."""
+def _epoch(fn: Any, config: cp.LoaderConfig) -> tuple[int, int]:
+    """(restarts, descriptors open) at the end of one epoch of ``fn``, once
+    its outputs are checked and freed."""
     pipe = cp.Pipeline.from_iterable(range(1, 301)).dispatch().map(fn)
     with cp.Loader(pipe, config) as loader:
         out = list(loader)
+        for i, d in enumerate(out, 1):
+            assert torch.equal(d["t"], torch.full((16384,), float(i)))
+            assert np.array_equal(d["a"], np.full(8192, i))
+        del out, d
+        gc.collect()  # results lent from the rings of killed workers hold those
         assert _ring_maps() == 2
         assert _transport(loader)["shared_memory_bytes"] > 0
-        return loader.metrics()["dispatch"]["restarts"], len(os.listdir("/proc/self/fd")), out
+        return loader.metrics()["dispatch"]["restarts"], len(os.listdir("/proc/self/fd"))
 
 
 def test_rings_stay_one_per_worker_across_restarts(tmp_path: Path) -> None:
     """Twelve worker kills: the rings in use stay one per worker, the old ones
-    are unmapped, no descriptor piles up, and every output is exact."""
+    are unmapped once the results lent from them are freed, no descriptor
+    piles up, and every output is exact."""
     config = _config(max_restarts=20, chunk_size=5)
     calm = functools.partial(ring_faults.kill_each_and_tensor, every=10**9, marker_dir="/")
-    _, fds_calm, _ = _open_fds_after_epoch(calm, config)
+    _, fds_calm = _epoch(calm, config)
     fn = functools.partial(ring_faults.kill_each_and_tensor, every=25, marker_dir=str(tmp_path))
-    restarts, fds_killed, out = _open_fds_after_epoch(fn, config)
+    restarts, fds_killed = _epoch(fn, config)
     assert restarts == 12
     assert fds_killed == fds_calm
     assert _ring_maps() == 0
-    for i, d in enumerate(out, 1):
-        assert torch.equal(d["t"], torch.full((16384,), float(i)))
-        assert np.array_equal(d["a"], np.full(8192, i))
 
 
 def test_nothing_in_dev_shm_after_the_main_process_is_killed() -> None:
@@ -159,7 +168,7 @@ def test_nothing_in_dev_shm_after_the_main_process_is_killed() -> None:
 # -- the ring protocol itself -----------------------------------------------------
 
 
-def _pair(capacity: int = 2**20) -> tuple[shm.Ring, shm.RingWriter]:
+def _pair(capacity: int = 2**20) -> tuple[shm.Ring, stash.RingWriter]:
     """A ring and a writer on it in this process (as a worker would get it)."""
     import multiprocessing
 
@@ -167,32 +176,68 @@ def _pair(capacity: int = 2**20) -> tuple[shm.Ring, shm.RingWriter]:
     a, b = multiprocessing.Pipe(duplex=True)
     try:
         assert ring.hand_over(a)
-        writer = shm.receive_ring(b)
+        writer = stash.receive_ring(b)
     finally:
         a.close()
         b.close()
     return ring, writer
 
 
+def _fill(k: int, n: int) -> memoryview:
+    return memoryview(bytes([k % 256]) * n)
+
+
 def test_writer_never_overwrites_what_is_not_released() -> None:
-    """The writer refuses (-1: use the pipe) until the reader releases; then it
-    reuses the ring, and every copy out is the bytes written."""
+    """The writer refuses (-1: use the pipe) while every byte is lent or
+    unread; a lent buffer is reused only once its array is freed; a copied
+    one at once; every buffer reads back as written."""
     ring, writer = _pair()
     block = 256 * 1024
     try:
-        placed = []
-        for k in range(4):
-            data = memoryview(bytes([k]) * block)
-            placed.append((writer.place(data), k))
-        assert [p for p, _ in placed] == [0, block, 2 * block, 3 * block]
-        assert writer.place(memoryview(b"x" * block)) == -1  # full: nothing released
-        for pos, k in placed[:2]:
-            assert bytes(ring.take(pos, block)) == bytes([k]) * block
-        ring.release(2 * block)
-        assert writer.place(memoryview(b"\x07" * block)) == 4 * block  # wraps to offset 0
-        assert bytes(ring.take(4 * block, block)) == b"\x07" * block
-        assert writer.place(memoryview(b"s" * 1024)) == -1  # small buffers use the pipe
-        assert writer.place(memoryview(b"L" * (2**20 + 64))) == -1  # larger than the ring
+        placed = [writer.place(_fill(k, block)) for k in range(4)]
+        assert placed == [0, block, 2 * block, 3 * block]
+        assert writer.place(_fill(9, block)) == -1  # full: nothing released
+        lent = [ring.take(off, block) for off in placed[:3]]  # 3/4 of the ring: lent
+        copied = ring.take(placed[3], block)  # over LEND_SHARE: copied, released
+        assert ring.lent == 3 * block and ring.lent_bytes == 3 * block
+        ring.flush()
+        assert writer.place(_fill(7, block)) == 3 * block  # the copied one's space
+        assert writer.place(_fill(8, block)) == -1  # the lent ones are still in use
+        del lent[1]  # frees its space, and only that
+        assert writer.place(_fill(8, block)) == block
+        assert bytes(lent[0]) == bytes([0]) * block and bytes(lent[1]) == bytes([2]) * block
+        assert bytes(copied) == bytes([3]) * block
+        assert writer.place(_fill(1, 1024)) == -1  # small buffers use the pipe
+        assert writer.place(_fill(1, 2**20 + 64)) == -1  # larger than the ring
+    finally:
+        ring.close()
+
+
+@given(steps=st.lists(st.tuples(st.integers(0, 3), st.integers(16, 300)), max_size=60))
+@settings(max_examples=40, deadline=None)
+def test_a_lent_buffer_is_never_overwritten(steps: list[tuple[int, int]]) -> None:
+    """Any mix of writes (sizes 16-300 KiB), takes, and frees in any order: a
+    buffer the main process still holds (lent or copied) always reads back as
+    written, and lent buffers never overlap."""
+    ring, writer = _pair()
+    held: list[tuple[Any, int]] = []
+    unread: list[tuple[int, int, int]] = []
+    try:
+        for k, (op, kib) in enumerate(steps):
+            if op == 0 or (op == 1 and not unread):
+                off = writer.place(_fill(k, kib * 1024))
+                if off >= 0:
+                    unread.append((off, kib * 1024, k % 256))
+            elif op == 1:
+                off, size, byte = unread.pop(0)
+                held.append((ring.take(off, size), byte))
+                ring.flush()
+            elif held:
+                held.pop((k * 7) % len(held))
+            for arr, byte in held:
+                assert arr.min() == byte == arr.max()
+        spans = sorted(ring._lent.items())
+        assert all(a_end <= b for (_, a_end), (b, _) in itertools.pairwise(spans))
     finally:
         ring.close()
 
@@ -211,66 +256,119 @@ def test_writer_waits_for_room_once_while_nothing_is_released(
         waits.append(timeout)
         return real_select(r, w, x, timeout)
 
-    monkeypatch.setattr(shm.select, "select", counting_select)
+    monkeypatch.setattr(stash.select, "select", counting_select)
     ring, writer = _pair()
     block = 256 * 1024
     try:
         for k in range(4):
-            assert writer.place(memoryview(bytes([k]) * block)) == k * block
+            assert writer.place(_fill(k, block)) == k * block
         assert not waits
-        assert writer.place(memoryview(b"x" * block)) == -1
+        assert writer.place(_fill(9, block)) == -1
         assert waits and sum(waits) <= shm.ROOM_WAIT_S + 1e-6
         count = len(waits)
         for _ in range(20):
-            assert writer.place(memoryview(b"x" * block)) == -1
+            assert writer.place(_fill(9, block)) == -1
         assert len(waits) == count  # stalled: no more waiting
-        ring.take(0, block)
-        ring.release(block)
-        assert writer.place(memoryview(b"y" * block)) == 4 * block
-        assert writer.place(memoryview(b"z" * block)) == -1  # full again: waits again
+        ring.take(0, block)  # lent, and freed at once
+        assert writer.place(_fill(5, block)) == 0
+        assert writer.place(_fill(6, block)) == -1  # full again: waits again
         assert len(waits) > count
     finally:
         ring.close()
 
 
-def test_reader_refuses_positions_outside_the_written_part() -> None:
-    """A position the worker cannot have written (released, or beyond the
-    ring) is an EOFError, as for a dead worker, never a read."""
+def test_reader_refuses_space_the_worker_may_not_have_written() -> None:
+    """An offset in lent space, misaligned or beyond the ring is an EOFError,
+    as for a dead worker, never a read."""
     ring, _ = _pair()
     try:
-        ring.release(4096)
+        lent = ring.take(4096, 256)
         with pytest.raises(EOFError):
-            ring.take(0, 64)  # already released
+            ring.take(4096 - 64, 128)  # overlaps the lent buffer
         with pytest.raises(EOFError):
-            ring.take(4096, 2**20 + 1)  # longer than the ring
+            ring.take(4096 + 64, 64)  # inside it
         with pytest.raises(EOFError):
-            ring.take(2**20 - 64, 128)  # would wrap
+            ring.take(8192 + 1, 64)  # misaligned
+        with pytest.raises(EOFError):
+            ring.take(0, 2**20 + 1)  # longer than the ring
+        with pytest.raises(EOFError):
+            ring.take(2**20 - 64, 128)  # past its end
+        del lent
+        assert ring.take(4096, 256) is not None  # released: may be named again
     finally:
         ring.close()
     with pytest.raises(EOFError):
-        ring.take(4096, 64)  # closed
+        ring.take(8192, 64)  # closed
 
 
 def test_a_release_the_full_pipe_refused_is_written_later() -> None:
-    """When the release pipe is full the latest position is kept and written
-    by ``flush``; the writer then sees it."""
+    """When the release pipe is full the releases are kept and written by
+    ``flush``; the writer then sees every one."""
     import fcntl
 
-    ring, writer = _pair()
+    size = 2**23  # 512 buffers: more release records than a 4 KiB pipe holds
+    ring, writer = _pair(size)
     try:
         assert ring._release_w is not None
         fcntl.fcntl(ring._release_w, fcntl.F_SETPIPE_SZ, 4096)
-        end = 0
-        while ring._unsent is None:
-            end += 64
-            ring.release(end)
+        block = 16 * 1024
+        for off in range(0, size, block):
+            assert writer.place(_fill(1, block)) == off
+        for off in range(0, size, block):
+            ring.take(off, block)  # lent, freed at once (or copied)
+        ring.flush()
+        assert ring._unsent  # more than the pipe takes
         writer._drain()
-        assert writer.released < end
         ring.flush()
         writer._drain()
-        assert writer.released == end and ring._unsent is None
+        assert not ring._unsent and writer.used == 0
+        assert writer.place(_fill(2, size)) == 0  # the whole ring is free again
     finally:
         ring.close()
+
+
+def test_space_reserved_for_a_result_that_is_not_sent_is_freed() -> None:
+    """Ring space a worker took for an output (``reserve``) that no message
+    named is free again after ``forget``; what was sent is not."""
+    ring, writer = _pair()
+    try:
+        a = writer.reserve(300 * 1024)
+        b = writer.reserve(300 * 1024)
+        assert (a, b) == (0, 300 * 1024)
+        writer.sent(a)
+        writer.forget()
+        assert writer.used == 300 * 1024
+        assert writer.reserve(600 * 1024) == 300 * 1024
+        assert writer.reserve(16) == -1  # too small for the ring
+    finally:
+        ring.close()
+
+
+def test_a_kept_result_outlives_the_loader_and_the_ring() -> None:
+    """Results kept after ``close()`` (lent, without a copy) stay exact; the
+    ring mappings go with the last of them, and nothing is left in /dev/shm."""
+    pipe = cp.Pipeline.from_iterable(range(40)).dispatch().map(ring_faults.tensor_of)
+    with cp.Loader(pipe, _config()) as loader:
+        out = list(loader)
+        assert _transport(loader)["shared_memory_lent_bytes"] > 0
+    gc.collect()
+    assert all(torch.equal(t, ring_faults.tensor_of(i)) for i, t in enumerate(out))
+    out[0] += 1  # writable, as with num_workers=0
+    del out
+    gc.collect()
+    assert _ring_maps() == 0
+
+
+def test_kept_results_never_leave_a_worker_without_room() -> None:
+    """A consumer that keeps every result: lending stops at ``LEND_SHARE`` of
+    the ring, later results are copied out, and every kept result stays exact."""
+    pipe = cp.Pipeline.from_iterable(range(60)).dispatch().map(ring_faults.tensor_of)
+    with cp.Loader(pipe, _config(shared_memory_bytes=2**21)) as loader:
+        out = list(loader)
+        moved = _transport(loader)
+    assert all(torch.equal(t, ring_faults.tensor_of(i)) for i, t in enumerate(out))
+    assert 0 < moved["shared_memory_lent_bytes"] <= 2 * 2**21 * shm.LEND_SHARE
+    assert moved["shared_memory_bytes"] > moved["shared_memory_lent_bytes"]
 
 
 def test_hand_over_to_a_closed_pipe_is_reported() -> None:
@@ -298,10 +396,10 @@ def test_receive_ring_refuses_a_pipe_without_a_ring() -> None:
     try:
         a.send_bytes(b"0123456789abcdef")
         with pytest.raises(EOFError):
-            shm.receive_ring(b)
+            stash.receive_ring(b)
         a.close()
         with pytest.raises(EOFError):
-            shm.receive_ring(b)
+            stash.receive_ring(b)
     finally:
         a.close()
         b.close()

@@ -11,8 +11,11 @@ Modules, by role:
   user of ``transport``, so another transport plugs in there.
 - ``transport``  serialisation and framing of one message.
 - ``shm``        each worker process's shared-memory ring for large result
-  buffers (anonymous memory handed over on its pipe; only ring positions
-  travel on the pipe; copied out once, then released).
+  buffers (anonymous memory handed over on its pipe; only ring offsets
+  travel on the pipe; lent to the received tensors and arrays without a
+  copy, released when they are freed).
+- ``stash``      the worker's side of its ring: free space, and large
+  outputs moved into the ring as the worker stages make them.
 - ``chain``      the worker stages run over one chunk (in a worker or inline).
 - ``worker``     the worker loop, for a process or a thread.
 - ``pool``       the executors: worker processes or threads; start, replace,
@@ -97,10 +100,11 @@ pulled and not yet retired and stays ``<= buffer_size``; a chunk's
 ``sent_gen`` equals its slot's generation iff that slot's current worker has
 it or is being sent it; a worker's status is written by the worker alone, under a version counter
 (no torn reads); a worker writes a ring buffer before sending the message that
-names it and reuses ring space only once the supervisor has copied it out and
-released it, and each worker generation gets a fresh ring (no torn or reused
-result, whenever a worker dies); the delivery position of a parallel stage's stream only
-moves in the central thread.
+names it and reuses ring space only once the main process has released it
+(copied out, or every tensor lent on it freed), and each worker generation
+gets a fresh ring (no torn or reused result, whenever a worker dies); the
+delivery position of a parallel stage's stream only moves in the central
+thread.
 
 Starting a pass: the run is built (no thread) under the chain lock and
 registered with the Loader *before* any thread starts (``Run.start``), so an

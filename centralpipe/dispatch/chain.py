@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from centralpipe.dispatch.protocol import (
@@ -46,6 +46,9 @@ class WorkerChain:
         # Maps without rng run in a tight loop until one raises.
         plain = self.one_to_one and not any(rng for *_, rng in self._stages)
         self._plain_maps = [fn for _, _, fn, _ in self._stages] if plain else None
+        #: Applied to each final output as it is made (a worker process sets
+        #: it to move large outputs into its ring: ``dispatch.stash``).
+        self.keep: Callable[[Any], Any] | None = None
 
     def _run_plain(
         self, stream: int, first_seq: int, items: Sequence[Any], outputs: list[Any], status: Any
@@ -55,7 +58,14 @@ class WorkerChain:
         stage runs twice on an item."""
         fns = self._plain_maps
         assert fns is not None
-        append = outputs.append
+        keep = self.keep
+        if keep is None:
+            append = outputs.append
+        else:
+
+            def append(out: Any) -> None:
+                outputs.append(keep(out))
+
         k = 0
         try:
             if status is None:
@@ -133,7 +143,7 @@ class WorkerChain:
                     )
                     values = []
                     break
-            outputs.extend(values)
+            outputs.extend(values if self.keep is None else map(self.keep, values))
             counts.append(len(values))
         if status is not None:
             status_idle(status)

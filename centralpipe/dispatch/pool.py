@@ -148,6 +148,10 @@ class Executor(abc.ABC):
         for slot in self.slots:
             self._start(slot)
 
+    def lendable_bytes(self) -> int | None:
+        """Bytes of results the workers' rings can lend at once (``None``: no rings)."""
+        return None
+
     def ensure_alive(self) -> None:
         """Replace workers that died (or were given up) between runs."""
         for slot in self.slots:
@@ -213,7 +217,7 @@ class ProcessPool(Executor):
         # Each worker's shared-memory ring (0: none; see dispatch.shm), whole pages.
         page = mmap.PAGESIZE
         self.ring_bytes = -(-ring_bytes // page) * page if shm.available() else 0
-        self._closed_ring_bytes = [0, 0]  # counters of rings already closed
+        self._closed_ring_bytes = [0, 0, 0]  # counters of rings already closed
         self.current_run = self.ctx.RawValue("q", 0)
         # A pipe to ourselves: interrupt() makes wait() return at once.
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
@@ -292,15 +296,22 @@ class ProcessPool(Executor):
     def set_run(self, run_id: int) -> None:
         self.current_run.value = run_id
 
+    def lendable_bytes(self) -> int | None:
+        if not self.ring_bytes:
+            return None
+        return int(self.ring_bytes * shm.LEND_SHARE) * len(self.slots)
+
     def transport_bytes(self) -> dict[str, int]:
         """Out-of-band result bytes received through the workers' shared-memory
-        rings and through their pipes, since the pool started."""
-        ring, pipe = self._closed_ring_bytes
+        rings (of which lent: delivered without a copy) and through their
+        pipes, since the pool started."""
+        ring, lent, pipe = self._closed_ring_bytes
         for slot in self.slots:
             if slot.ring is not None:
                 ring += slot.ring.ring_bytes
+                lent += slot.ring.lent_bytes
                 pipe += slot.ring.pipe_bytes
-        return {"shared_memory_bytes": ring, "pipe_bytes": pipe}
+        return {"shared_memory_bytes": ring, "shared_memory_lent_bytes": lent, "pipe_bytes": pipe}
 
     def _close_ring(self, slot: Slot) -> None:
         """Close the slot's ring once its worker is reaped: no later write of
@@ -311,7 +322,8 @@ class ProcessPool(Executor):
             ring.close()
             slot.ring = None
             self._closed_ring_bytes[0] += ring.ring_bytes
-            self._closed_ring_bytes[1] += ring.pipe_bytes
+            self._closed_ring_bytes[1] += ring.lent_bytes
+            self._closed_ring_bytes[2] += ring.pipe_bytes
 
     def send(self, slot: Slot, message: Encoded) -> bool:
         if slot.conn is None:

@@ -37,7 +37,8 @@ from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
 from centralpipe.dispatch import transport
-from centralpipe.dispatch.shm import Ring, RingWriter
+from centralpipe.dispatch.shm import Ring
+from centralpipe.dispatch.stash import RingWriter
 
 __all__ = [
     "MSG_CHUNK",

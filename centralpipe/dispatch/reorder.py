@@ -425,6 +425,7 @@ class Stream:
             self.stats.delivered += done
             self.delivered += done
             self._cur_it = None
+            self._cur_list = []
             self._cur_plain = False
             self.current = None
             self.cond.notify_all()

@@ -6,11 +6,14 @@ Each worker process has one *ring*: a block of anonymous shared memory
 main process creates for that worker and hands over on the worker's pipe
 (``socket.send_fds``) before anything else, plus a *release pipe* the other
 way. The worker writes the large out-of-band buffers of a message (tensor
-and array memory, see :mod:`centralpipe.dispatch.transport`) into the ring,
-then sends the message with each buffer's ring position in its header in
-place of the bytes; the main process copies each buffer out once, into the
-memory of the new tensor or array, and then tells the worker, on the release
-pipe, how far the ring may be reused.
+and array memory, see :mod:`centralpipe.dispatch.transport`) into free
+space of the ring, then sends the message with each buffer's ring offset in
+its header in place of the bytes. The main process either *lends* the
+buffer, which then becomes the memory of the received tensor or array with
+no copy at all, or copies it out once; either way it tells the worker, on
+the release pipe, which space may be written again once nothing in the main
+process uses it: at once for a copy, when the last tensor or array on a lent
+buffer is freed (``weakref.finalize`` on the buffer they all keep alive).
 
 Why it is safe:
 
@@ -19,66 +22,82 @@ Why it is safe:
   a buffer that is being written. A worker that dies mid-write never sends
   the message, so that buffer is never read; its chunk is sent again to the
   replacement worker.
-- The ring is used in order (results of one worker arrive in order): the
-  worker writes at ``head``, the main process releases up to the end of each
-  message's last buffer once it has copied the message out, and the worker
-  only writes where the main process has released (``head - released <=
-  capacity``). A released position travels through the release pipe, a
-  kernel object, so the worker never overwrites bytes still being read.
+- The worker only writes into space the main process has released (it
+  keeps a list of free extents, fed by the release pipe, a kernel object, so
+  its writes are ordered after the main process's last use on any CPU), and
+  the main process refuses a message naming space it has not released (the
+  worker is then treated as dead): a lent buffer is never overwritten while
+  the user holds a tensor on it.
+- Lending is bounded: at most ``LEND_SHARE`` of a ring is lent at a time;
+  past that the main process copies (and releases at once), so a user who
+  keeps results never leaves a worker without room. Space is released in any
+  order, so one result kept for long pins only its own bytes.
 - Each worker generation gets a fresh ring: the one of a dead worker is
-  closed when it is replaced (its memory is freed when the last mapping
-  goes), so a late write by a dying worker can never land in a live ring and
-  the rings in use stay one per worker however many restarts.
-- Neither side ever blocks on the ring: with no room the worker sends the
-  buffer on the pipe as before; with a full release pipe the main process
-  keeps the position and writes it again on its next pass.
+  closed when it is replaced (what is not lent is given back to the system
+  at once; lent buffers last as long as their tensors), so a late write by a
+  dying worker can never land in a live ring.
+- Neither side ever blocks on the ring: with no room the worker waits at
+  most ``ROOM_WAIT_S`` and then sends the buffer on the pipe; with a full
+  release pipe the main process keeps the releases and writes them later.
 
-Only public APIs: ``os.memfd_create``, ``mmap``, ``socket.send_fds`` /
-``recv_fds`` and ``os.pipe``. Where ``memfd_create`` does not exist (not
-Linux), workers have no ring and every buffer goes on the pipe.
+The worker's side (:class:`~centralpipe.dispatch.stash.RingWriter`) is in
+:mod:`centralpipe.dispatch.stash`. Only public APIs: ``os.memfd_create``,
+``mmap`` (``madvise``), ``socket.send_fds`` / ``recv_fds``, ``os.pipe``,
+``weakref.finalize`` and numpy. Where
+``memfd_create`` does not exist (not Linux), workers have no ring and every
+buffer goes on the pipe.
 """
 
 from __future__ import annotations
 
+import bisect
+import collections
 import mmap
 import os
-import select
 import socket
 import struct
-import time
+import threading
+import weakref
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 
 __all__ = [
+    "EXTENT",
+    "HANDOVER",
+    "LEND_SHARE",
+    "MAGIC",
     "MIN_RING_BUFFER_BYTES",
     "RELEASE_EVERY_BYTES",
     "RING_ALIGN",
     "ROOM_WAIT_S",
     "Ring",
-    "RingWriter",
+    "aligned",
     "available",
-    "receive_ring",
+    "dup_socket",
 ]
 
 #: Buffers smaller than this go on the pipe: they cost less to send than a
-#: ring position, and it bounds the release records a worker has not read.
+#: ring offset, and it bounds the release records a worker has not read.
 MIN_RING_BUFFER_BYTES = 16 * 1024
 #: Buffers start on this boundary in the ring.
 RING_ALIGN = 64
-#: Within a message, the main process releases what it has copied out at
-#: least every this many bytes (and at the message's end).
+#: Copied-out space is released at least every this many bytes (and at each
+#: message's end).
 RELEASE_EVERY_BYTES = 2**20
 #: How long a worker waits for room in its ring while the main process is
-#: copying out earlier results, before it sends a buffer on the pipe instead.
+#: using earlier results, before it sends a buffer on the pipe instead.
 ROOM_WAIT_S = 0.05
+#: At most this share of a ring is lent to received tensors and arrays at once.
+LEND_SHARE = 0.75
 # The hand-over message (its fds ride along): magic, ring capacity.
-_HANDOVER = struct.Struct("<QQ")
-_MAGIC = 0x63705F72696E6731  # "cp_ring1"
-_POS = struct.Struct("<Q")
-# At most this much of the release pipe is read at once (a multiple of 8).
-_DRAIN_BYTES = 64 * 1024
+HANDOVER = struct.Struct("<QQ")
+MAGIC = 0x63705F72696E6732  # "cp_ring2"
+# A release record: offset, bytes (aligned).
+EXTENT = struct.Struct("<QQ")
+# Records per write: at most PIPE_BUF bytes, so a write is whole or refused.
+_RECORDS_PER_WRITE = 4096 // EXTENT.size
 
 
 def available() -> bool:
@@ -86,16 +105,26 @@ def available() -> bool:
     return hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
 
 
-def _dup_socket(conn: Connection) -> socket.socket:
+def aligned(n: int) -> int:
+    """``n`` bytes rounded up to ``RING_ALIGN``: the ring space a buffer takes."""
+    return n + (-n % RING_ALIGN)
+
+
+def dup_socket(conn: Connection) -> socket.socket:
     return socket.socket(fileno=os.dup(conn.fileno()))
 
 
 class Ring:
     """The main process's side of one worker's ring: it creates the memory,
-    hands it to the worker, copies buffers out and releases them.
+    hands it to the worker, lends or copies buffers out and releases them.
 
-    Used by the supervisor thread alone (``take``, ``release``, ``flush``)
-    and by whoever starts or replaces the worker (``hand_over``, ``close``).
+    ``take`` and ``flush`` are called by the supervisor thread, ``hand_over``
+    and ``close`` by whoever starts or replaces the worker; a lent buffer is
+    given back by whichever thread frees its last tensor (or by the garbage
+    collector, inside any call). The state below is changed under ``_lock``
+    only; a give-back that finds the lock taken (by another thread, or by
+    this one when the collector ran inside a locked section) is queued in
+    ``_returned``, which every holder of the lock drains after releasing it.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -103,23 +132,29 @@ class Ring:
         fd = os.memfd_create("centralpipe-ring", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, capacity)
-            self._map = mmap.mmap(fd, capacity)
+            self._map: mmap.mmap | None = mmap.mmap(fd, capacity)
         except BaseException:
             os.close(fd)
             raise
         self._fd: int | None = fd  # closed once handed over
-        self._view = memoryview(self._map)
         r, w = os.pipe()
         os.set_blocking(w, False)
         self._release_r: int | None = r  # the worker's end, closed once handed over
         self._release_w: int | None = w
-        #: Where the next message's first buffer may start (all before is released).
-        self.released = 0
-        self._unsent: int | None = None  # a release the full pipe did not take
+        self._lock = threading.Lock()
+        self._returned: collections.deque[int] = collections.deque()
+        #: Space the worker may not write: offset -> end, for lent buffers.
+        self._lent: dict[int, int] = {}
+        self._lent_starts: list[int] = []  # sorted keys of _lent
+        #: Bytes lent now.
+        self.lent = 0
+        self._unsent = bytearray()  # release records not written yet
+        self._unsent_bytes = 0  # ring bytes they release
         self.closed = False
-        #: Bytes of large buffers received through the ring, and through the
-        #: pipe (they did not fit at the time), by the supervisor thread.
+        #: Bytes of large buffers received through the ring (lent: without a
+        #: copy), and through the pipe (they did not fit at the time).
         self.ring_bytes = 0
+        self.lent_bytes = 0
         self.pipe_bytes = 0
 
     def fds(self) -> list[int]:
@@ -132,10 +167,10 @@ class Ring:
         Our copies of those two descriptors are closed. False if the worker
         is already gone (it is then replaced like any dead worker)."""
         assert self._fd is not None and self._release_r is not None
-        sock = _dup_socket(conn)
+        sock = dup_socket(conn)
         try:
             socket.send_fds(
-                sock, [_HANDOVER.pack(_MAGIC, self.capacity)], [self._fd, self._release_r]
+                sock, [HANDOVER.pack(MAGIC, self.capacity)], [self._fd, self._release_r]
             )
             return True
         except OSError:
@@ -146,69 +181,114 @@ class Ring:
             os.close(self._release_r)
             self._fd = self._release_r = None
 
-    def take(self, pos: int, size: int) -> Any:
-        """A copy of the buffer the worker wrote at ring position ``pos``: a
-        fresh writable uint8 array (copied without holding the GIL).
+    def take(self, off: int, size: int) -> Any:
+        """The buffer of ``size`` bytes the worker wrote at ring offset
+        ``off``, as a writable uint8 array: lent (the ring's own memory,
+        released when the array and everything built on it are freed) while
+        less than ``LEND_SHARE`` of the ring is lent, else a copy.
 
-        Raises ``EOFError`` for a position outside the part of the ring the
-        worker may have written (a damaged or foreign message): the pipe is
-        then out of step and the worker is treated as dead."""
-        if self.closed:
-            raise EOFError("the ring is closed")
-        off = pos % self.capacity
-        if (
-            size < 0
-            or pos < self.released
-            or pos + size > self.released + self.capacity
-            or off + size > self.capacity
-        ):
+        Raises ``EOFError`` for space the worker may not have written (lent,
+        outside the ring: a damaged or foreign message): the pipe is then out
+        of step and the worker is treated as dead."""
+        end = off + aligned(size)
+        try:
+            with self._lock:  # also keeps close() from freeing pages being copied
+                m = self._map
+                if self.closed or m is None:
+                    raise EOFError("the ring is closed")
+                if size <= 0 or off < 0 or off % RING_ALIGN or end > self.capacity:
+                    msg = f"ring offset {off} (+{size} bytes) is outside the ring ({self.capacity})"
+                    raise EOFError(msg)
+                self._check_free(off, end)
+                view = np.frombuffer(m, dtype=np.uint8, count=size, offset=off)
+                self.ring_bytes += size
+                if self.lent + (end - off) > self.capacity * LEND_SHARE:
+                    out = np.empty(size, dtype=np.uint8)
+                    np.copyto(out, view)  # without the GIL
+                    del view
+                    self._queue(off, end)
+                    if self._unsent_bytes >= RELEASE_EVERY_BYTES:
+                        self._write_unsent()
+                    return out
+                at = bisect.bisect_left(self._lent_starts, off)
+                self._lent_starts.insert(at, off)
+                self._lent[off] = end
+                self.lent += end - off
+                self.lent_bytes += size
+        finally:
+            self._drain_returned()
+        weakref.finalize(view, self._give_back, off).atexit = False
+        return view
+
+    def _check_free(self, off: int, end: int) -> None:
+        starts = self._lent_starts
+        i = bisect.bisect_left(starts, end)  # lent buffers starting before ``end``
+        if i and self._lent[starts[i - 1]] > off:
+            lo = starts[i - 1]
             msg = (
-                f"ring position {pos} (+{size} bytes) is outside the writable part "
-                f"[{self.released}, {self.released + self.capacity})"
+                f"ring offset {off} (+{end - off} bytes) overlaps space still lent "
+                f"[{lo}, {self._lent[lo]})"
             )
             raise EOFError(msg)
-        self.ring_bytes += size
-        out = np.empty(size, dtype=np.uint8)
-        try:
-            np.copyto(out, np.frombuffer(self._map, dtype=np.uint8, count=size, offset=off))
-        except ValueError as exc:  # closed meanwhile (the pool is closing)
-            raise EOFError(str(exc)) from None
-        return out
-
-    def release(self, end: int) -> None:
-        """The worker may write again below ring position ``end`` (never blocks)."""
-        if end > self.released:
-            self.released = end
-            self._send_release(end)
 
     def flush(self) -> None:
-        """Write a release that found the release pipe full."""
-        if self._unsent is not None:
-            self._send_release(self._unsent)
+        """Write the releases not written yet (never blocks)."""
+        with self._lock:
+            self._write_unsent()
+        self._drain_returned()
 
-    def _send_release(self, end: int) -> None:
+    def _give_back(self, off: int) -> None:
+        """The last array on the lent buffer at ``off`` was freed (any thread)."""
+        self._returned.append(off)
+        self._drain_returned()
+
+    def _drain_returned(self) -> None:
+        while self._returned:
+            if not self._lock.acquire(blocking=False):
+                return  # the holder drains the queue once it has released the lock
+            try:
+                while self._returned:
+                    off = self._returned.popleft()
+                    end = self._lent.pop(off)
+                    del self._lent_starts[bisect.bisect_left(self._lent_starts, off)]
+                    self.lent -= end - off
+                    self._queue(off, end)
+                self._write_unsent()
+            finally:
+                self._lock.release()
+
+    def _queue(self, off: int, end: int) -> None:
+        if not self.closed:
+            self._unsent += EXTENT.pack(off, end - off)
+            self._unsent_bytes += end - off
+
+    def _write_unsent(self) -> None:
+        """Under the lock."""
         if self._release_w is None:
-            return
-        try:
-            os.write(self._release_w, _POS.pack(end))
-            self._unsent = None
-        except BlockingIOError:
-            self._unsent = end  # the worker drains it before its next write
-        except OSError:
-            self._unsent = None  # the worker is gone
+            self._unsent.clear()
+        while self._unsent:
+            chunk = bytes(self._unsent[: _RECORDS_PER_WRITE * EXTENT.size])
+            try:
+                os.write(self._release_w, chunk)  # type: ignore[arg-type]
+            except BlockingIOError:
+                return  # the worker drains it before its next write; we write again
+            except OSError:  # the worker is gone
+                self._unsent.clear()
+                break
+            del self._unsent[: len(chunk)]
+        self._unsent_bytes = 0
 
     def close(self) -> None:
-        """Unmap our view and close our descriptors; idempotent, and a close
+        """Close our descriptors and unmap our view; idempotent, and a close
         cut short (Ctrl-C) is finished by the next call: ``closed`` (no more
-        reads) is set first, but each descriptor is forgotten only as it is
-        closed, with no function call in between. The memory goes when the
-        worker's mapping goes too."""
-        self.closed = True
-        try:
-            self._view.release()
-            self._map.close()
-        except BufferError:  # pragma: no cover - a copy still running: unmapped when it ends
-            pass
+        reads or lending) is set first, but each descriptor and the map are
+        forgotten only as they are closed, with no function call in between.
+        Space that is not lent is given back to the system at once; the rest
+        goes with the last lent array (and the worker's mapping)."""
+        with self._lock:
+            self.closed = True
+            self._unsent.clear()
+            lent = sorted(self._lent.items())
         fd = self._fd
         if fd is not None:
             self._fd = None
@@ -221,111 +301,22 @@ class Ring:
         if fd is not None:
             self._release_w = None
             os.close(fd)
+        m = self._map
+        if m is None:
+            return
+        try:
+            m.close()
+        except BufferError:  # lent arrays remain: free every page they do not use
+            page = mmap.PAGESIZE
+            pos = 0
+            for lo, hi in [*lent, (self.capacity, self.capacity)]:
+                start, stop = -(-pos // page) * page, lo - lo % page
+                if stop > start and hasattr(mmap, "MADV_REMOVE"):
+                    m.madvise(mmap.MADV_REMOVE, start, stop - start)
+                pos = hi
+        # The lent arrays hold the map (their base): it is unmapped with the last.
+        self._map = None
 
     def released_all(self) -> bool:
         """Closed, every descriptor included."""
         return self.closed and not self.fds()
-
-
-class RingWriter:
-    """A worker's side of its ring: where the next buffer goes."""
-
-    def __init__(self, mem_fd: int, release_fd: int, capacity: int) -> None:
-        try:
-            self._map = mmap.mmap(mem_fd, capacity)
-        finally:
-            os.close(mem_fd)
-        self._view = memoryview(self._map)
-        self.capacity = capacity
-        self._release = release_fd
-        os.set_blocking(release_fd, False)
-        self.head = 0  # ring position of the next free byte
-        self.released = 0  # what the main process has copied out, as last heard
-        # A wait for room timed out and nothing was released since: the main
-        # process is not reading us (it holds enough results); do not wait again.
-        self._stalled = False
-
-    def _drain(self) -> None:
-        while True:
-            try:
-                data = os.read(self._release, _DRAIN_BYTES)
-            except BlockingIOError:
-                return
-            except OSError:  # pragma: no cover - the main process is gone
-                return
-            if len(data) < _POS.size:
-                return  # b"": the main process closed it (gone, or replaced us)
-            end = _POS.unpack_from(data, len(data) - _POS.size)[0]
-            if end > self.released:
-                self.released = end
-                self._stalled = False
-            if len(data) < _DRAIN_BYTES:
-                return
-
-    def place(self, buf: memoryview) -> int:
-        """Copy ``buf`` (bytes, format ``B``) into the ring and return its ring
-        position, or -1 when it does not fit now (it then goes on the pipe)."""
-        n = buf.nbytes
-        if n < MIN_RING_BUFFER_BYTES or n > self.capacity:
-            return -1
-        start = self._fit(n)
-        if start < 0:
-            start = self._wait_room(n)
-            if start < 0:
-                return -1
-        off = start % self.capacity
-        self._view[off : off + n] = buf
-        self.head = start + n + (-n % RING_ALIGN)
-        return start
-
-    def _wait_room(self, n: int) -> int:
-        """Where ``n`` bytes fit once the main process has released enough,
-        waiting at most ``ROOM_WAIT_S`` while earlier results are being
-        copied out; -1 if they do not fit by then. After a wait that found no
-        room, the next ones do not wait until something is released."""
-        deadline = time.monotonic() + ROOM_WAIT_S
-        while True:
-            self._drain()
-            start = self._fit(n)
-            left = deadline - time.monotonic()
-            if start >= 0 or self._stalled or self.released >= self.head:
-                return start  # (nothing in flight: waiting cannot make room)
-            if left <= 0:
-                self._stalled = True
-                return -1
-            try:
-                select.select([self._release], [], [], left)
-            except (OSError, ValueError):  # pragma: no cover - closed meanwhile
-                return -1
-
-    def _fit(self, n: int) -> int:
-        start = self.head
-        off = start % self.capacity
-        if off + n > self.capacity:  # no wrapping: skip to the ring's start
-            start += self.capacity - off
-        return start if start + n - self.released <= self.capacity else -1
-
-
-def receive_ring(conn: Connection) -> RingWriter:
-    """The worker's first read: the ring and release pipe sent by
-    :meth:`Ring.hand_over`. Raises ``EOFError`` if the pipe closes first."""
-    sock = _dup_socket(conn)
-    try:
-        data, fds, _flags, _addr = socket.recv_fds(sock, _HANDOVER.size, 2)
-        while fds and len(data) < _HANDOVER.size:  # a split read: the rest follows
-            more = sock.recv(_HANDOVER.size - len(data))
-            if not more:
-                break
-            data += more
-    finally:
-        sock.close()
-    if len(fds) != 2 or len(data) != _HANDOVER.size:
-        for fd in fds:
-            os.close(fd)
-        raise EOFError("the main process did not hand over a ring")
-    magic, capacity = _HANDOVER.unpack(data)
-    if magic != _MAGIC:
-        for fd in fds:
-            os.close(fd)
-        raise EOFError("the first message on the worker's pipe is not a ring hand-over")
-    return RingWriter(fds[0], fds[1], capacity)

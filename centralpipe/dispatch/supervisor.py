@@ -87,8 +87,13 @@ class Session:
         self.states: dict[int, Any] = {}
         self._rr = 0
         self._owed_since: dict[int, float] = {}
-        #: Bytes of received results not yet delivered, bounded by ``buffer_bytes``.
-        self.held = ResultBytes(policy.buffer_bytes, on_room=executor.interrupt, stats=stats)
+        #: Bytes of received results not yet delivered, bounded by ``buffer_bytes``
+        #: and by what the workers' rings can lend (read further ahead, results
+        #: would be copied out of the rings: see ``dispatch.shm``).
+        limit, lendable = policy.buffer_bytes, executor.lendable_bytes()
+        if limit is not None and lendable is not None:
+            limit = min(limit, lendable)
+        self.held = ResultBytes(limit, on_room=executor.interrupt, stats=stats)
         #: A state request is being answered: every worker is read.
         self.asking = False
         self._paused: frozenset[int] = frozenset()

@@ -17,11 +17,13 @@ message's tensors and arrays use of it. So
   out of band: :func:`dumps` returns them as separate buffers (memoryviews of
   the original memory, no copy). :func:`write` given the sender's
   shared-memory ring (:mod:`centralpipe.dispatch.shm`: a worker's results)
-  copies those of 16 KiB and more into it and puts only their ring positions
-  in the header; the others it writes with ``Connection.send_bytes``.
-  :func:`recv` copies ring buffers out once (then releases them) and reads
-  the others into fresh ``bytearray``\\ s; either becomes the memory of the
-  received tensors and arrays.
+  copies those of 16 KiB and more into it, unless the worker already moved
+  them there as it made them (a :class:`~centralpipe.dispatch.stash.RingRef`
+  stands for such an output), and puts only their ring offsets in the
+  header; the others it writes with ``Connection.send_bytes``. :func:`recv`
+  takes ring buffers as the ring lends them (no copy) or copies them out,
+  and reads the others into fresh ``bytearray``\\ s; either becomes the
+  memory of the received tensors and arrays.
 
 Anything else pickles as ``pickle`` does; ``memoryview`` (which ``pickle``
 refuses) arrives as a ``memoryview`` of the same format, shape and
@@ -45,7 +47,8 @@ from typing import Any
 
 import torch
 
-from centralpipe.dispatch.shm import RELEASE_EVERY_BYTES, RING_ALIGN, Ring, RingWriter
+from centralpipe.dispatch.shm import Ring
+from centralpipe.dispatch.stash import Placed, RingRef, RingWriter
 
 try:
     import numpy as np
@@ -70,7 +73,7 @@ INBAND_MAX_BYTES = 16 * 1024
 #: Regions start on this boundary, so every dtype's offsets stay whole elements.
 _ALIGN = 64
 # header: meta length (u32), out-of-band buffer count (u32); then per buffer
-# its size (u64), read-only flag (u8) and ring position (i64; -1: the bytes
+# its size (u64), read-only flag (u8) and ring offset (i64; -1: the bytes
 # follow on the pipe); then the meta pickle, then the body.
 _HEAD = struct.Struct("<II")
 _BUF = struct.Struct("<QBq")
@@ -198,6 +201,8 @@ class _Pickler(pickle.Pickler):
             return self._reduce_tensor(obj)
         if np is not None and cls is np.ndarray:
             return self._reduce_array(obj)
+        if cls is RingRef:
+            return self._reduce_ring_ref(obj)
         if cls is memoryview:
             return _reduce_memoryview(obj)
         if cls is Sealed:
@@ -229,6 +234,14 @@ class _Pickler(pickle.Pickler):
         offset = int(t.storage_offset()) * size
         reg.cover(*_span(offset, shape, [s * size for s in stride], size))
         return (_rebuild_tensor, (reg, offset, t.dtype, shape, stride))
+
+    def _reduce_ring_ref(self, ref: RingRef) -> Any:
+        reg = self.region(("r", ref.placed.offset), ref.placed)
+        reg.cover(0, ref.placed.nbytes)
+        if ref.kind == "t":
+            return (_rebuild_tensor, (reg, 0, ref.dtype, ref.shape, ref.strides(1)))
+        strides = ref.strides(ref.dtype.itemsize)
+        return (_rebuild_array, (reg, 0, ref.dtype, ref.shape, strides, ref.writeable))
 
     def _reduce_array(self, a: Any) -> Any:
         if a.dtype.hasobject:
@@ -378,6 +391,11 @@ def dumps(obj: Any) -> Message:
     else:
         table: list[tuple[int, int, bytes | None]] = []  # (base, size, in-band bytes)
         for reg in pickler.regions.values():
+            if type(reg.source) is Placed:  # already in the ring (dispatch.stash)
+                table.append((0, reg.source.nbytes, None))
+                buffers.append(reg.source)  # type: ignore[arg-type]
+                flags.append(False)
+                continue
             base = reg.lo - reg.lo % _ALIGN
             data = reg.source[base : reg.hi]
             size = reg.hi - base
@@ -463,7 +481,7 @@ def copy(obj: Any) -> Any:
 
 def write(conn: Connection, msg: Message, ring: RingWriter | None = None) -> None:
     """Send a message built by :func:`dumps`; with a ``ring``, large buffers
-    are written into it and only their ring positions go on the pipe."""
+    are written into it and only their ring offsets go on the pipe."""
     head: Any = msg.head
     on_pipe = msg.buffers
     if ring is not None and msg.buffers:
@@ -471,7 +489,11 @@ def write(conn: Connection, msg: Message, ring: RingWriter | None = None) -> Non
         patched = None
         at = _HEAD.size + _POS_AT
         for buf in msg.buffers:
-            where = ring.place(buf)
+            if type(buf) is Placed:
+                where = buf.offset
+                ring.sent(where)
+            else:
+                where = ring.place(buf)
             if where < 0:
                 on_pipe.append(buf)
             else:
@@ -495,9 +517,10 @@ def recv(conn: Connection, ring: Ring | None = None) -> Any:
     """Receive one message sent by :func:`send` (with ``ring``: the main
     process's side of the sender's ring).
 
-    Every byte of the message is read (and copied out of the ring, which is
-    then released) before anything is unpickled, so an object that fails to
-    unpickle (raised as is) leaves the pipe and the ring in step."""
+    Every byte of the message is read (and taken from the ring) before
+    anything is unpickled, so an object that fails to unpickle (raised as
+    is) leaves the pipe in step; its lent ring buffers are released when it
+    is dropped."""
     return recv_counted(conn, ring)[0]
 
 
@@ -507,16 +530,12 @@ def recv_counted(conn: Connection, ring: Ring | None = None) -> tuple[Any, int]:
     head = conn.recv_bytes()
     buffers = []
     nbytes = len(head)
-    end = -1
     for size, _, where in _parse(head)[1]:
         nbytes += size
         if where >= 0:
             if ring is None:
                 raise EOFError("a message refers to a shared-memory ring this pipe does not have")
-            buffers.append(ring.take(where, size))
-            end = where + size + (-size % RING_ALIGN)
-            if end - ring.released >= RELEASE_EVERY_BYTES:
-                ring.release(end)  # the worker may be waiting for room
+            buffers.append(ring.take(where, size))  # lent, or copied and released
             continue
         buf = bytearray(size)
         if size:
@@ -526,7 +545,6 @@ def recv_counted(conn: Connection, ring: Ring | None = None) -> tuple[Any, int]:
         buffers.append(buf)
         if ring is not None:
             ring.pipe_bytes += size
-    if end >= 0:
-        assert ring is not None
-        ring.release(end)
+    if ring is not None:
+        ring.flush()  # the releases of buffers copied out
     return loads(head, buffers), nbytes

@@ -20,6 +20,7 @@ main process dies, two more guards end it within about a second:
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import signal
 import sys
@@ -29,7 +30,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from centralpipe.dispatch import protocol, shm
+from centralpipe.dispatch import protocol
 from centralpipe.dispatch.chain import WorkerChain
 from centralpipe.dispatch.protocol import (
     MSG_CHUNK,
@@ -39,7 +40,7 @@ from centralpipe.dispatch.protocol import (
     ChunkResult,
     StageFailure,
 )
-from centralpipe.dispatch.shm import RingWriter
+from centralpipe.dispatch.stash import RingWriter, receive_ring, stash
 
 __all__ = ["WorkerSpec", "serve", "worker_main"]
 #: How often a worker checks that the main process is still alive.
@@ -170,12 +171,18 @@ def worker_main(
     ring = None
     if with_ring:  # the first thing on the pipe (see dispatch.shm)
         try:
-            ring = shm.receive_ring(conn)
+            ring = receive_ring(conn)
         except (EOFError, OSError):
             os._exit(0)
+        for chain in spec.chains:  # large outputs go into the ring as they are made
+            chain.keep = functools.partial(stash, ring=ring)
 
     def send_result(run_id: int, stream: int, cid: int, result: ChunkResult, per: bool) -> bool:
-        return _send_result(conn, run_id, stream, cid, result, per, spec.chains[stream], ring)
+        try:
+            return _send_result(conn, run_id, stream, cid, result, per, spec.chains[stream], ring)
+        finally:
+            if ring is not None:
+                ring.forget()  # space of outputs that were not sent
 
     def send_states(states: dict[str, Any]) -> bool:
         try:

@@ -4,23 +4,34 @@ Stateful stages run in the main process behind a round-robin dispatch
 boundary; worker processes only run stateless per-item functions. So
 checkpoints are exact and instant, state is queryable live, and output is the
 same for any number of workers.
+
+The public names are imported on first use (PEP 562): a worker process
+imports ``centralpipe.dispatch.worker`` without the builder, the central
+stages or torch, which a worker needs only if its functions or items do
+(see :mod:`centralpipe.dispatch.preload`).
 """
 
-from centralpipe import packing as packing
-from centralpipe.config import DistributedConfig, LoaderConfig, WorkerConfig
-from centralpipe.distributed import gather_states
-from centralpipe.elastic import merge_states
-from centralpipe.errors import (
-    CentralpipeError,
-    CheckpointError,
-    ConfigError,
-    PipelineError,
-    WorkerError,
-)
-from centralpipe.loader import Loader
-from centralpipe.pipeline import Pipeline
-from centralpipe.progress import progress
-from centralpipe.stages.totals import Total
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from centralpipe import packing as packing
+    from centralpipe.config import DistributedConfig, LoaderConfig, WorkerConfig
+    from centralpipe.distributed import gather_states
+    from centralpipe.elastic import merge_states
+    from centralpipe.errors import (
+        CentralpipeError,
+        CheckpointError,
+        ConfigError,
+        PipelineError,
+        WorkerError,
+    )
+    from centralpipe.loader import Loader
+    from centralpipe.pipeline import Pipeline
+    from centralpipe.progress import progress
+    from centralpipe.stages.totals import Total
 
 __all__ = [
     "CentralpipeError",
@@ -40,3 +51,36 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+#: Where each public name lives; ``packing`` is a submodule.
+_HOMES = {
+    "CentralpipeError": "centralpipe.errors",
+    "CheckpointError": "centralpipe.errors",
+    "ConfigError": "centralpipe.errors",
+    "DistributedConfig": "centralpipe.config",
+    "Loader": "centralpipe.loader",
+    "LoaderConfig": "centralpipe.config",
+    "Pipeline": "centralpipe.pipeline",
+    "PipelineError": "centralpipe.errors",
+    "Total": "centralpipe.stages.totals",
+    "WorkerConfig": "centralpipe.config",
+    "WorkerError": "centralpipe.errors",
+    "gather_states": "centralpipe.distributed",
+    "merge_states": "centralpipe.elastic",
+    "packing": "centralpipe.packing",
+    "progress": "centralpipe.progress",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'centralpipe' has no attribute {name!r}")
+    module = importlib.import_module(home)
+    value = module if name == "packing" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})

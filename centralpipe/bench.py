@@ -168,9 +168,15 @@ def run(
         res.cold = bench_transport.measure_cold_epoch(
             spin.iterations, 4_000 // scale, COLD_WORKERS, start_method
         )
+        _log("cpu: the cold epoch again, the function from a module that imports torch")
+        res.cold_torch = bench_transport.measure_cold_epoch(
+            spin.iterations, 4_000 // scale, COLD_WORKERS, start_method, "torch module"
+        )
     if method == "forkserver":
-        # The server starts (and imports torch) once per process; the first
-        # loader pays it. Start it here so every cell measures the same thing.
+        # The server starts once per process; the first loader pays it. Start
+        # it here so every cell measures the same thing. `inc`'s module
+        # imports torch, so the server preloads torch (dispatch.preload), as
+        # the tensor workloads' workers need.
         t = run_centralpipe(Workload("boot", 1, inc, ""), 1, start_method)
         res.forkserver_boot_s = t.total_s
     for w in bench_workloads.workloads(only, scale):

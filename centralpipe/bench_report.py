@@ -40,9 +40,11 @@ class Results:
     # (workload, workers) -> contender -> Timing
     cells: dict[tuple[str, int], dict[str, Timing]] = field(default_factory=dict)
     cold: bench_transport.ColdEpoch | None = None
+    #: The cold epoch again, its function from a module that imports torch.
+    cold_torch: bench_transport.ColdEpoch | None = None
     state: dict[str, Any] = field(default_factory=dict)
     stages: dict[str, Any] = field(default_factory=dict)
-    startup: dict[tuple[str, float], tuple[float, float]] = field(default_factory=dict)
+    startup: bench_transport.Startup = field(default_factory=dict)
     seed: list[bench_seed.TokenizerResult] = field(default_factory=list)
     elapsed_s: float = 0.0
     repeat: int = 1
@@ -171,7 +173,7 @@ def _transport(res: Results) -> list[str]:
 def report(res: Results, *, argv: Sequence[str] = ()) -> str:
     """The results as markdown."""
     lines = _header(res, argv) + _throughput(res) + _transport(res)
-    lines += bench_transport.cold_lines(res.cold)
+    lines += bench_transport.cold_lines(res.cold, res.cold_torch)
     lines += bench_state.report_lines(res.state)
     lines += bench_stages.report_lines(res.stages)
     lines += bench_transport.report_lines(res.startup)

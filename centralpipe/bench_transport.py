@@ -5,10 +5,15 @@ process really is the first (no forkserver running, nothing imported).
 
 - ``--only startup``: a Loader with 2 workers, optionally ``gap_s`` of other
   work (as a program building a model would), then ``next(iter(loader))``
-  timed; then the same with a second Loader in the same process.
+  timed; then the same with a second Loader in the same process. For each
+  start method, with a worker function that needs no torch (``abs``) and,
+  for ``forkserver`` and ``spawn``, one from a module that imports torch
+  (``bench_workloads.inc``): the forkserver then preloads torch, and each
+  spawned worker imports it (see ``dispatch.preload``).
 - ``--only cpu``: one whole epoch of the ``cpu`` workload with 2 workers by a
   process's first Loader, from creating it to the last item (forkserver and
-  workers' start-up included), against a serial loop in the same process.
+  workers' start-up included), against a serial loop in the same process;
+  again with the same function from a module that imports torch.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 __all__ = [
+    "FUNCTIONS",
     "GAPS_S",
     "ColdEpoch",
     "measure_cold_epoch",
@@ -29,17 +35,27 @@ __all__ = [
 
 #: Work between ``Loader(...)`` and ``iter()``: none, and a model build.
 GAPS_S = (0.0, 1.5)
+#: The worker functions: one whose module needs no torch, one whose module imports it.
+FUNCTIONS = {
+    "no torch": "builtins:abs",
+    "torch module": "centralpipe.bench_workloads:inc",
+}
+#: Start methods measured with the torch-module function too (fork shares the
+#: caller's torch either way).
+TORCH_FN_METHODS = ("forkserver", "spawn")
 
 _CHILD = """
-import sys, time
+import importlib, sys, time
 import centralpipe as cp
 
 
 def main():
-    method, gap = sys.argv[1], float(sys.argv[2])
+    method, gap, where = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+    module, name = where.split(":")
+    fn = getattr(importlib.import_module(module), name)
     out = []
     for _ in range(2):
-        pipe = cp.Pipeline.from_iterable(range(8)).dispatch().map(abs)
+        pipe = cp.Pipeline.from_iterable(range(8)).dispatch().map(fn)
         config = cp.LoaderConfig(workers=cp.WorkerConfig(num_workers=2, start_method=method))
         loader = cp.Loader(pipe, config)
         deadline = time.perf_counter() + gap
@@ -59,12 +75,14 @@ if __name__ == "__main__":
 _COLD_CHILD = """
 import sys, time
 import centralpipe as cp
-from centralpipe.bench_workloads import Spin
+from centralpipe.bench_spin import Spin
+from centralpipe.bench_workloads import SpinBesideTorch
 
 
 def main():
     method = None if sys.argv[1] == "default" else sys.argv[1]
-    spin, n, workers = Spin(int(sys.argv[2])), int(sys.argv[3]), int(sys.argv[4])
+    kind = SpinBesideTorch if sys.argv[5] == "torch module" else Spin
+    spin, n, workers = kind(int(sys.argv[2])), int(sys.argv[3]), int(sys.argv[4])
     t0 = time.perf_counter()
     for i in range(n):
         spin(i)
@@ -94,14 +112,17 @@ class ColdEpoch(NamedTuple):
     serial_s: float
     first_s: float
     total_s: float
+    #: A key of ``FUNCTIONS``: where the function's class lives.
+    fn: str = "no torch"
 
 
 def measure_cold_epoch(
-    iterations: int, n: int, workers: int, start_method: str | None
+    iterations: int, n: int, workers: int, start_method: str | None, fn: str = "no torch"
 ) -> ColdEpoch:
     """A fresh process times ``n`` ``Spin(iterations)`` items serially, then
-    through its first Loader (``workers`` workers), start-up included."""
-    args = [start_method or "default", str(iterations), str(n), str(workers)]
+    through its first Loader (``workers`` workers), start-up included; ``fn``
+    ``"torch module"``: the same function, from a module that imports torch."""
+    args = [start_method or "default", str(iterations), str(n), str(workers), fn]
     done = subprocess.run(
         [sys.executable, "-c", _COLD_CHILD, *args],
         capture_output=True,
@@ -110,25 +131,33 @@ def measure_cold_epoch(
         check=True,
     )
     serial, first, total = (float(x) for x in done.stdout.split())
-    return ColdEpoch(n, workers, serial, first, total)
+    return ColdEpoch(n, workers, serial, first, total, fn)
 
 
-def cold_lines(cold: ColdEpoch | None) -> list[str]:
-    if cold is None:
+def cold_lines(*colds: ColdEpoch | None) -> list[str]:
+    rows = [c for c in colds if c is not None]
+    if not rows:
         return []
-    return [
+    first = rows[0]
+    lines = [
         "",
         "## cpu, a cold epoch",
         "",
-        f"A fresh process: {cold.n:,} `cpu` items in a serial loop, then the same items "
-        f"through its first Loader with {cold.workers} workers, timed from creating the "
-        "Loader to the last item (forkserver and worker start-up included).",
+        f"A fresh process: {first.n:,} `cpu` items in a serial loop, then the same items "
+        f"through its first Loader with {first.workers} workers, timed from creating the "
+        "Loader to the last item (forkserver and worker start-up included). function: "
+        "from a module that needs no torch (the `cpu` workload), or the same from a "
+        "module that imports torch (the forkserver then preloads torch).",
         "",
-        "| serial s | centralpipe s | / serial | start-up (first item) ms |",
-        "|--:|--:|--:|--:|",
-        f"| {cold.serial_s:.2f} | {cold.total_s:.2f} | {cold.serial_s / cold.total_s:.2f}x "
-        f"| {cold.first_s * 1e3:.0f} |",
+        "| function | serial s | centralpipe s | / serial | start-up (first item) ms |",
+        "|---|--:|--:|--:|--:|",
     ]
+    for cold in rows:
+        lines.append(
+            f"| {cold.fn} | {cold.serial_s:.2f} | {cold.total_s:.2f} "
+            f"| {cold.serial_s / cold.total_s:.2f}x | {cold.first_s * 1e3:.0f} |"
+        )
+    return lines
 
 
 def cold_targets(cold: ColdEpoch | None) -> list[tuple[str, str, bool]]:
@@ -145,23 +174,26 @@ def cold_targets(cold: ColdEpoch | None) -> list[tuple[str, str, bool]]:
     ]
 
 
-def measure_startup(
-    methods: Sequence[str], gaps_s: Sequence[float] = GAPS_S
-) -> dict[tuple[str, float], tuple[float, float]]:
-    """``(method, gap) -> (first loader, later loader)`` seconds from ``iter()``
-    to the first item, each pair from one fresh process."""
-    out: dict[tuple[str, float], tuple[float, float]] = {}
+Startup = dict[tuple[str, str, float], tuple[float, float]]
+
+
+def measure_startup(methods: Sequence[str], gaps_s: Sequence[float] = GAPS_S) -> Startup:
+    """``(method, function, gap) -> (first loader, later loader)`` seconds from
+    ``iter()`` to the first item, each pair from one fresh process."""
+    out: Startup = {}
     for method in methods:
-        for gap in gaps_s:
-            done = subprocess.run(
-                [sys.executable, "-c", _CHILD, method, str(gap)],
-                capture_output=True,
-                text=True,
-                timeout=300,
-                check=True,
-            )
-            first, later = (float(x) for x in done.stdout.split())
-            out[(method, gap)] = (first, later)
+        fns = [f for f in FUNCTIONS if f == "no torch" or method in TORCH_FN_METHODS]
+        for fn in fns:
+            for gap in gaps_s:
+                done = subprocess.run(
+                    [sys.executable, "-c", _CHILD, method, str(gap), FUNCTIONS[fn]],
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                    check=True,
+                )
+                first, later = (float(x) for x in done.stdout.split())
+                out[(method, fn, gap)] = (first, later)
     return out
 
 
@@ -170,7 +202,7 @@ FIRST_ITEM_AFTER_GAP_S = 0.150
 FIRST_ITEM_ANY_S = 1.5
 
 
-def report_lines(startup: dict[tuple[str, float], tuple[float, float]]) -> list[str]:
+def report_lines(startup: Startup) -> list[str]:
     if not startup:
         return []
     lines = [
@@ -178,34 +210,38 @@ def report_lines(startup: dict[tuple[str, float], tuple[float, float]]) -> list[
         "## First item",
         "",
         "ms from `iter()` to the first item, 2 workers, each row a fresh process: its "
-        "first Loader, then a second one. Gap: CPU work between `Loader(...)` and `iter()`.",
+        "first Loader, then a second one. Gap: CPU work between `Loader(...)` and `iter()`. "
+        "function: `abs` (its workers need no torch), or `bench_workloads.inc` (its module "
+        "imports torch).",
         "",
-        "| start method | gap s | first Loader ms | later Loader ms |",
-        "|---|--:|--:|--:|",
+        "| start method | function | gap s | first Loader ms | later Loader ms |",
+        "|---|---|--:|--:|--:|",
     ]
-    for (method, gap), (first, later) in startup.items():
-        lines.append(f"| {method} | {gap:g} | {first * 1e3:.0f} | {later * 1e3:.0f} |")
+    for (method, fn, gap), (first, later) in startup.items():
+        lines.append(f"| {method} | {fn} | {gap:g} | {first * 1e3:.0f} | {later * 1e3:.0f} |")
     return lines
 
 
-def targets(startup: dict[tuple[str, float], tuple[float, float]]) -> list[tuple[str, str, bool]]:
+def targets(startup: Startup) -> list[tuple[str, str, bool]]:
     out = []
-    after = startup.get(("forkserver", GAPS_S[-1]))
-    if after is not None:
-        out.append(
-            (
-                f"first item, first Loader, forkserver, after {GAPS_S[-1]:g} s of work: <= 150 ms",
-                f"{after[0] * 1e3:.0f} ms",
-                after[0] <= FIRST_ITEM_AFTER_GAP_S,
+    for fn in FUNCTIONS:
+        after = startup.get(("forkserver", fn, GAPS_S[-1]))
+        if after is not None:
+            out.append(
+                (
+                    f"first item, first Loader, forkserver, {fn}, after {GAPS_S[-1]:g} s of "
+                    "work: <= 150 ms",
+                    f"{after[0] * 1e3:.0f} ms",
+                    after[0] <= FIRST_ITEM_AFTER_GAP_S,
+                )
             )
-        )
-    cold = startup.get(("forkserver", GAPS_S[0]))
-    if cold is not None:
-        out.append(
-            (
-                "first item, first Loader, forkserver, no gap: <= 1.5 s",
-                f"{cold[0] * 1e3:.0f} ms",
-                cold[0] <= FIRST_ITEM_ANY_S,
+        cold = startup.get(("forkserver", fn, GAPS_S[0]))
+        if cold is not None:
+            out.append(
+                (
+                    f"first item, first Loader, forkserver, {fn}, no gap: <= 1.5 s",
+                    f"{cold[0] * 1e3:.0f} ms",
+                    cold[0] <= FIRST_ITEM_ANY_S,
+                )
             )
-        )
     return out

@@ -8,16 +8,21 @@ them by ten.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+# Re-exported: the cpu workload's function lives in a torch-free module, as a
+# pure-Python user function would (dispatch.preload reads what workers import).
+from centralpipe.bench_spin import CPU_ITEM_S, Spin, calibrate_spin, time_call
+
 __all__ = [
+    "CPU_ITEM_S",
     "TENSOR_NUMEL",
     "Spin",
+    "SpinBesideTorch",
     "Workload",
     "calibrate_spin",
     "full_array",
@@ -35,7 +40,6 @@ TENSOR_NUMEL = 65536
 LARGE_NUMEL = 1048576
 #: Element counts of the mixed workload, float32: 1 KiB to 4 MiB.
 MIXED_NUMELS = (256, 2048, 16384, 65536, 262144, 1048576)
-CPU_ITEM_S = 0.001
 
 
 @dataclass(frozen=True)
@@ -69,41 +73,9 @@ def mixed_tensor(i: int) -> torch.Tensor:
     return torch.full((MIXED_NUMELS[i % len(MIXED_NUMELS)],), float(i))
 
 
-def _spin(iterations: int) -> int:
-    x = 0
-    for i in range(iterations):
-        x = (x * 31 + i) & 0xFFFF
-    return x
-
-
-class Spin:
-    """About ``CPU_ITEM_S`` of pure-Python integer arithmetic per item; the
-    iteration count is calibrated once and travels with the object."""
-
-    def __init__(self, iterations: int) -> None:
-        self.iterations = iterations
-
-    def __call__(self, item: int) -> int:
-        return item + _spin(self.iterations)
-
-
-def calibrate_spin(target_s: float = CPU_ITEM_S) -> Spin:
-    """A :class:`Spin` taking ``target_s`` per call here (best of 5)."""
-    n = 1000
-    while True:
-        best = min(_time_call(_spin, n) for _ in range(3))
-        if best > 2e-4:
-            break
-        n *= 2
-    n = max(1, int(n * target_s / best))
-    best = min(_time_call(_spin, n) for _ in range(5))
-    return Spin(max(1, int(n * target_s / best)))
-
-
-def _time_call(fn: Callable[[int], Any], arg: int) -> float:
-    t0 = time.perf_counter()
-    fn(arg)
-    return time.perf_counter() - t0
+class SpinBesideTorch(Spin):
+    """:class:`Spin` from a module that imports torch: its workers need torch,
+    so the forkserver preloads it (the bench's cold epoch shows both)."""
 
 
 def token_len(x: int) -> int:
@@ -117,7 +89,7 @@ def workloads(only: Sequence[str], scale: int) -> list[Workload]:
         out.append(Workload("tiny", 200_000 // scale, inc, "x + 1 on ints"))
     if "cpu" in only:
         spin = calibrate_spin()
-        ms = _time_call(spin, 0) * 1e3
+        ms = time_call(spin, 0) * 1e3
         what = f"{spin.iterations} loop iterations, ~{ms:.2f} ms"
         out.append(Workload("cpu", 4_000 // scale, spin, what))
     if "tensor" in only:

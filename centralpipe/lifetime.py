@@ -1,6 +1,7 @@
 """What a Loader must release, and the finalizer that releases it.
 
-:class:`Resources` holds the worker pool, the current run, the pin thread,
+:class:`Resources` holds the worker pool (or its start in the background,
+``dispatch.starter``), the current run, the pin thread,
 the central nodes (open files) and the chain lock, apart from the Loader, so
 that a ``weakref.finalize`` can release them once the Loader is garbage
 collected. ``close()`` runs the same code.
@@ -26,6 +27,7 @@ from typing import Any
 from centralpipe.dispatch.boundary import Run
 from centralpipe.dispatch.pinning import Pinner
 from centralpipe.dispatch.pool import Executor
+from centralpipe.dispatch.starter import BackgroundStart
 from centralpipe.stages import CentralNode
 
 __all__ = ["OWN_THREAD_PREFIX", "Resources"]
@@ -39,6 +41,8 @@ class Resources:
 
     def __init__(self) -> None:
         self.pool: Executor | None = None
+        #: The workers' start in the background, until the first pass takes its pool.
+        self.starter: BackgroundStart | None = None
         self.run: Run | None = None
         self.pinner: Pinner | None = None
         self.nodes: list[CentralNode[Any]] = []
@@ -97,6 +101,9 @@ class Resources:
         finally:
             try:
                 self.end_run()
+                if self.starter is not None:
+                    self.starter.cancel()
+                    self.starter = None
                 if self.pool is not None:
                     self.pool.close()
                     self.pool = None

@@ -3,11 +3,14 @@
 Each pass over the loader is one epoch (or the rest of the epoch a checkpoint
 was taken in); it starts at the iterator's first ``next()``, not at
 ``iter()``. The central stages live here, in the caller's process; the worker
-processes are started by the first pass and kept across epochs.
+processes are kept across epochs. With ``forkserver`` and ``spawn`` they start
+in the background when the Loader is created (``dispatch.starter``), so the
+first pass only sends them work; ``fork`` workers start at the first pass.
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
@@ -19,7 +22,9 @@ from centralpipe.dispatch.chain import WorkerChain
 from centralpipe.dispatch.guard import hold
 from centralpipe.dispatch.pinning import make_pinner
 from centralpipe.dispatch.pool import Executor, ProcessPool, ThreadPool, warm_up
+from centralpipe.dispatch.preload import server_preload
 from centralpipe.dispatch.reorder import StreamStats
+from centralpipe.dispatch.starter import BACKGROUND_METHODS, BackgroundStart
 from centralpipe.dispatch.worker import WorkerSpec
 from centralpipe.errors import PipelineError
 from centralpipe.launchers import warn_if_duplicating
@@ -59,9 +64,6 @@ class Loader(Generic[T]):
         self._config = config
         dist = config.distributed
         warn_if_duplicating(dist.world_size)
-        if config.workers.num_workers > 0 and config.workers.executor == "process":
-            # The forkserver imports torch while the caller builds its model.
-            warm_up(config.workers.resolved_start_method())
         self._ctx = RunContext(
             seed=config.seed, epoch=0, rank=dist.rank, world_size=dist.world_size
         )
@@ -91,6 +93,7 @@ class Loader(Generic[T]):
         self._res.pinner = make_pinner(config.pin_memory)
         self._finalizer = weakref.finalize(self, self._res.finalize)
         self._closed = False
+        self._start_early()
 
     @property
     def _boundary(self) -> str:
@@ -195,7 +198,7 @@ class Loader(Generic[T]):
             on_error=w.on_error,
             buffer_bytes=w.buffer_bytes,
         )
-        pooled = w.num_workers > 0 and (bool(self._chain.specs) or bool(self._segments))
+        pooled = self._pooled()
         executor = self._ensure_pool() if pooled else None
         if pooled:
             self._run_ids += 1
@@ -218,6 +221,48 @@ class Loader(Generic[T]):
             chain_lock=self._res.chain_lock,
         )
 
+    def _pooled(self) -> bool:
+        """Whether passes run worker stages on a pool of workers."""
+        w = self._config.workers
+        return w.num_workers > 0 and (bool(self._chain.specs) or bool(self._segments))
+
+    def _start_early(self) -> None:
+        """Start the forkserver (it imports what the workers need) and the
+        worker processes now, in the background (``dispatch.starter``), so
+        they are ready by the time the program iterates."""
+        w = self._config.workers
+        if w.executor != "process" or not self._pooled():
+            return
+        method = w.resolved_start_method()
+        warm_up(method, self._preload())
+        if method not in BACKGROUND_METHODS:
+            return
+        pool = None
+        try:
+            pool = self._new_pool()
+            self._res.starter = BackgroundStart(pool)
+        except Exception:
+            # E.g. no file descriptor left for a pipe: the first pass starts
+            # the workers itself and reports it there.
+            if pool is not None:
+                pool.close()
+
+    def _preload(self) -> list[str]:
+        return server_preload([*(n.spec for n in self._segments), *self._pipe.worker_stages])
+
+    def _new_pool(self) -> Executor:
+        w = self._config.workers
+        spec = WorkerSpec([*self._segment_chains, self._chain], os.getpid())
+        if w.executor == "thread":
+            return ThreadPool(w.num_workers, spec)
+        return ProcessPool(
+            w.num_workers,
+            spec,
+            w.resolved_start_method(),
+            w.shared_memory_bytes,
+            self._preload(),
+        )
+
     def _ensure_pool(self) -> Executor:
         res = self._res
         if res.pool is not None and res.pool.closed:
@@ -225,26 +270,26 @@ class Loader(Generic[T]):
             res.pool.close()
             res.pool = None
         if res.pool is None:
-            import os
-
-            w = self._config.workers
-            spec = WorkerSpec([*self._segment_chains, self._chain], os.getpid())
-            pool: Executor
-            if w.executor == "thread":
-                pool = ThreadPool(w.num_workers, spec)
+            starter = res.starter
+            if starter is not None:
+                try:
+                    pool = starter.result()
+                except BaseException:
+                    if starter.done():  # it failed, and closed what it started
+                        res.starter = None
+                    raise
+                res.pool, res.starter = pool, None
             else:
-                pool = ProcessPool(
-                    w.num_workers, spec, w.resolved_start_method(), w.shared_memory_bytes
-                )
-            # Registered before it starts: close() (or the finalizer) ends a
-            # start cut short at any point, and its close if that is cut too.
-            res.pool = pool
-            try:
-                pool.start()
-            except BaseException:
-                pool.close()  # no half-started pool: the next iteration starts afresh
-                res.pool = None
-                raise
+                pool = self._new_pool()
+                # Registered before it starts: close() (or the finalizer) ends a
+                # start cut short at any point, and its close if that is cut too.
+                res.pool = pool
+                try:
+                    pool.start()
+                except BaseException:
+                    pool.close()  # no half-started pool: the next iteration starts afresh
+                    res.pool = None
+                    raise
         return res.pool
 
     def total(self, stage: str | None = None) -> Total | None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from centralpipe.errors import PipelineError
 
-__all__ = ["check_picklable", "main_is_importable", "references_main"]
+__all__ = ["check_picklable", "main_is_importable", "referenced_modules", "references_main"]
 
 MAIN = "__main__"
 
@@ -38,17 +38,18 @@ def main_is_importable() -> bool:
     return isinstance(path, str) and os.path.isfile(path)
 
 
-def references_main(pickled: bytes) -> bool:
-    """Whether ``pickled`` refers to anything by reference in ``__main__``
-    (a function, a class, a ``functools.partial`` of one …)."""
+def referenced_modules(pickled: bytes) -> set[str]:
+    """The modules whose names ``pickled`` refers to by reference (functions,
+    classes, ``functools.partial`` of one …): what unpickling it imports."""
+    found: set[str] = set()
     pushed: list[object] = []  # strings pushed, and memo fetches, in order
     memo: dict[int, object] = {}
     for op, arg, _pos in pickletools.genops(pickled):
         name = op.name
-        if name == "GLOBAL" and isinstance(arg, str) and arg.split(" ", 1)[0] == MAIN:
-            return True
-        if name == "STACK_GLOBAL" and len(pushed) >= 2 and pushed[-2] == MAIN:
-            return True
+        if name == "GLOBAL" and isinstance(arg, str):
+            found.add(arg.split(" ", 1)[0])
+        elif name == "STACK_GLOBAL" and len(pushed) >= 2 and isinstance(pushed[-2], str):
+            found.add(pushed[-2])
         if name == "MEMOIZE":
             memo[len(memo)] = pushed[-1] if pushed else None
         elif name in ("PUT", "BINPUT", "LONG_BINPUT") and isinstance(arg, int):
@@ -59,7 +60,13 @@ def references_main(pickled: bytes) -> bool:
             pushed.append(arg)
         else:
             pushed.append(None)
-    return False
+    return found
+
+
+def references_main(pickled: bytes) -> bool:
+    """Whether ``pickled`` refers to anything by reference in ``__main__``
+    (a function, a class, a ``functools.partial`` of one …)."""
+    return MAIN in referenced_modules(pickled)
 
 
 def check_picklable(specs: Sequence[Any], method: str) -> None:

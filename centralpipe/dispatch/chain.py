@@ -21,8 +21,8 @@ from centralpipe.dispatch.protocol import (
     status_idle,
     status_stage,
 )
-from centralpipe.pipeline import WORKER_KINDS, StageSpec
 from centralpipe.seeding import derive_seed
+from centralpipe.specs import WORKER_KINDS, StageSpec
 
 __all__ = ["WorkerChain", "is_stateful"]
 

@@ -22,6 +22,7 @@ import os
 import queue
 import threading
 import types
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any, NamedTuple
 
@@ -46,27 +47,29 @@ _THREAD_JOIN_TIMEOUT_S = 1.0
 #: How often a paused worker thread re-checks whether it may hand over its result.
 _PAUSE_POLL_S = 0.1
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
-#: What the forkserver imports once, before it forks any worker: the worker
-#: loop and what it needs (torch, numpy). The user's stage functions are
-#: imported by each worker; their modules may not be importable by the server.
+#: What the forkserver imports once, before it forks any worker, unless told
+#: otherwise: the worker loop (torch-free; see dispatch.preload). The user's
+#: stage functions are imported by each worker; their modules may not be
+#: importable by the server.
 FORKSERVER_PRELOAD = ["centralpipe.dispatch.worker"]
 #: ``current_run`` value that makes every worker skip whatever is queued.
 ABANDON_ALL = 2**62
 
 
-def warm_up(start_method: str) -> None:
+def warm_up(start_method: str, preload: Sequence[str] = FORKSERVER_PRELOAD) -> None:
     """Start the forkserver now (a no-op for other start methods or when it
-    runs already), so that it imports torch while the caller does other work
-    (building a model) and the first worker forks from a ready server.
+    runs already), so that it imports ``preload`` (what the workers need, see
+    dispatch.preload) while the caller does other work and the first worker
+    forks from a ready server.
 
     Starting it only spawns the server process (milliseconds); the server
-    then imports :data:`FORKSERVER_PRELOAD` in the background. Workers still
-    fork from a clean single-threaded server: forkserver's safety is kept."""
+    then imports ``preload`` in the background. Workers still fork from a
+    clean single-threaded server: forkserver's safety is kept."""
     if start_method != "forkserver":
         return
     from multiprocessing import forkserver
 
-    mp.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
+    mp.get_context("forkserver").set_forkserver_preload(list(preload))
     try:
         forkserver.ensure_running()
     except Exception:  # pragma: no cover - the first worker start reports it
@@ -144,8 +147,12 @@ class Executor(abc.ABC):
         #: Measure the bytes of results (set by the run when it bounds them).
         self.measure = False
 
-    def start(self) -> None:
+    def start(self, stop: Callable[[], bool] | None = None) -> None:
+        """Start every worker; ``stop``: checked before each, ends the start
+        early (a background start cancelled, see dispatch.starter)."""
         for slot in self.slots:
+            if stop is not None and stop():
+                return
             self._start(slot)
 
     def lendable_bytes(self) -> int | None:
@@ -209,7 +216,12 @@ class ProcessPool(Executor):
     kind = "process"
 
     def __init__(
-        self, num_workers: int, spec: WorkerSpec, start_method: str, ring_bytes: int = 0
+        self,
+        num_workers: int,
+        spec: WorkerSpec,
+        start_method: str,
+        ring_bytes: int = 0,
+        preload: Sequence[str] = FORKSERVER_PRELOAD,
     ) -> None:
         super().__init__(num_workers, spec)
         self.ctx: Any = mp.get_context(start_method)
@@ -227,7 +239,7 @@ class ProcessPool(Executor):
         self._ends: list[Connection] = []
         self._rings: list[shm.Ring] = []
         if start_method == "forkserver":
-            warm_up(start_method)
+            warm_up(start_method, preload)
 
     def _parent_fds(self) -> list[int]:
         conns = [c for s in self.slots for c in (s.conn, s.death)]

@@ -37,15 +37,13 @@ Only public APIs: ``pickle``, ``multiprocessing.connection``, torch
 
 from __future__ import annotations
 
-import copyreg
 import io
 import pickle
 import struct
+import sys
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from centralpipe.dispatch.shm import Ring
 from centralpipe.dispatch.stash import Placed, RingRef, RingWriter
@@ -54,6 +52,9 @@ try:
     import numpy as np
 except ImportError:  # pragma: no cover - numpy is optional
     np = None  # type: ignore[assignment]
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "Message",
@@ -176,7 +177,8 @@ def _span(offset: int, shape: Sequence[int], strides: Sequence[int], itemsize: i
 
 
 class _Pickler(pickle.Pickler):
-    dispatch_table = copyreg.dispatch_table.copy()
+    # No dispatch_table of its own: copyreg's, live, with the reducers that
+    # torch registers when it is imported (maybe after this module).
 
     def __init__(self, file: Any, buffers: list[memoryview]) -> None:
         super().__init__(file, protocol=5, buffer_callback=self._oob)
@@ -197,7 +199,7 @@ class _Pickler(pickle.Pickler):
         # Called only for objects the C pickler does not handle natively
         # (not for ints, strs, lists, ...), so plain data pays nothing.
         cls = type(obj)
-        if cls is torch.Tensor:
+        if cls is _tensor_class():
             return self._reduce_tensor(obj)
         if np is not None and cls is np.ndarray:
             return self._reduce_array(obj)
@@ -211,6 +213,8 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
     def _reduce_tensor(self, t: torch.Tensor) -> Any:
+        import torch
+
         if (
             t.device.type != "cpu"
             or t.layout != torch.strided
@@ -280,10 +284,20 @@ def _reduce_memoryview(m: memoryview) -> Any:
     return (_rebuild_memoryview, args)
 
 
+def _tensor_class() -> Any:
+    """``torch.Tensor``, or ``None`` while torch is not imported: then no
+    object can be a tensor, and a worker whose functions and items use no
+    torch never imports it (see :mod:`centralpipe.dispatch.preload`)."""
+    torch = sys.modules.get("torch")
+    return None if torch is None else torch.Tensor
+
+
 # -- rebuilding ------------------------------------------------------------------
 
 
 def _empty_tensor(dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...]) -> Any:
+    import torch
+
     return torch.empty_strided(shape, stride, dtype=dtype)
 
 
@@ -313,6 +327,8 @@ class _Loaded:
         return self.array
 
     def storage(self) -> Any:
+        import torch
+
         if self.tensor is None:
             if len(self.buffer):
                 self.tensor = torch.frombuffer(self.buffer, dtype=torch.uint8)
@@ -324,6 +340,8 @@ class _Loaded:
 def _rebuild_tensor(
     reg: _Loaded, offset: int, dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...]
 ) -> torch.Tensor:
+    import torch
+
     start = (offset - reg.base) // dtype.itemsize
     return torch.empty(0, dtype=dtype).set_(reg.storage(), start, shape, stride)
 
@@ -417,7 +435,8 @@ def dumps(obj: Any) -> Message:
 
 
 def _view(data: Any) -> memoryview:
-    if isinstance(data, torch.Tensor):
+    tensor = _tensor_class()
+    if tensor is not None and isinstance(data, tensor):
         data = data.numpy()
     return memoryview(data).cast("B")
 

@@ -161,12 +161,7 @@ def worker_main(
             os.close(fd)
         except OSError:
             pass
-    try:
-        import torch
-
-        torch.set_num_threads(spec.torch_threads)
-    except Exception:  # pragma: no cover - torch missing threads support
-        pass
+    threads = TorchThreads(spec.torch_threads)
     threading.Thread(target=_watchdog, args=(spec.main_pid, parent_pid), daemon=True).start()
     ring = None
     if with_ring:  # the first thing on the pipe (see dispatch.shm)
@@ -191,9 +186,39 @@ def worker_main(
         except (OSError, EOFError):
             return False
 
-    serve(lambda: protocol.recv(conn), send_result, send_states, spec, status, current_run)
+    def recv() -> Any:
+        message = protocol.recv(conn)
+        threads.limit()  # torch may have come with the message or the last chunk
+        return message
+
+    serve(recv, send_result, send_states, spec, status, current_run)
     conn.close()
     sys.exit(0)
+
+
+class TorchThreads:
+    """Limits torch's intra-op threads in a worker to ``n`` once torch is
+    imported. A worker imports torch only if its functions or items need it
+    (the server preloads it only then, see :mod:`centralpipe.dispatch.preload`),
+    so the limit is applied when torch first shows up: at start, or after the
+    message or chunk that imported it."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.done = False
+        self.limit()
+
+    def limit(self) -> None:
+        if self.done:
+            return
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return
+        self.done = True
+        try:
+            torch.set_num_threads(self.n)
+        except Exception:  # pragma: no cover - a torch without threads support
+            pass
 
 
 def _run(

@@ -14,6 +14,8 @@ stages or torch, which a worker needs only if its functions or items do
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -84,3 +86,21 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_HOMES})
+
+
+#: Public functions named like the submodule they live in.
+_NAMED_LIKE_THEIR_MODULE = frozenset({"progress"})
+
+
+class _Package(types.ModuleType):
+    """The package's module type: importing the submodule ``progress`` (which
+    sets it on the package as an attribute) never hides the public function
+    ``progress``; it is then read through :func:`__getattr__`."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _NAMED_LIKE_THEIR_MODULE and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

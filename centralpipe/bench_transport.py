@@ -9,7 +9,9 @@ process really is the first (no forkserver running, nothing imported).
   start method, with a worker function that needs no torch (``abs``) and,
   for ``forkserver`` and ``spawn``, one from a module that imports torch
   (``bench_workloads.inc``): the forkserver then preloads torch, and each
-  spawned worker imports it (see ``dispatch.preload``).
+  spawned worker imports it (see ``dispatch.preload``); and, for
+  ``forkserver``, the other option: that function with a server told not to
+  preload torch, so each worker imports it.
 - ``--only cpu``: one whole epoch of the ``cpu`` workload with 2 workers by a
   process's first Loader, from creating it to the last item (forkserver and
   workers' start-up included), against a serial loop in the same process;
@@ -35,14 +37,23 @@ __all__ = [
 
 #: Work between ``Loader(...)`` and ``iter()``: none, and a model build.
 GAPS_S = (0.0, 1.5)
-#: The worker functions: one whose module needs no torch, one whose module imports it.
+#: The worker functions: one whose module needs no torch, one whose module
+#: imports it, and the same with a forkserver told not to preload torch (each
+#: worker imports it), the other option measured.
 FUNCTIONS = {
     "no torch": "builtins:abs",
     "torch module": "centralpipe.bench_workloads:inc",
+    "torch module, server without torch": "centralpipe.bench_workloads:inc",
 }
-#: Start methods measured with the torch-module function too (fork shares the
-#: caller's torch either way).
-TORCH_FN_METHODS = ("forkserver", "spawn")
+#: The option that keeps torch out of the forkserver.
+NO_TORCH_IN_SERVER = "torch module, server without torch"
+#: Start methods measured with each function (fork shares the caller's torch
+#: either way; spawn has no server).
+FUNCTION_METHODS = {
+    "no torch": ("fork", "forkserver", "spawn"),
+    "torch module": ("forkserver", "spawn"),
+    NO_TORCH_IN_SERVER: ("forkserver",),
+}
 
 _CHILD = """
 import importlib, sys, time
@@ -51,6 +62,10 @@ import centralpipe as cp
 
 def main():
     method, gap, where = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+    if sys.argv[4] == "light":
+        from centralpipe.dispatch import preload
+
+        preload.needs_torch = lambda specs: False
     module, name = where.split(":")
     fn = getattr(importlib.import_module(module), name)
     out = []
@@ -182,11 +197,11 @@ def measure_startup(methods: Sequence[str], gaps_s: Sequence[float] = GAPS_S) ->
     ``iter()`` to the first item, each pair from one fresh process."""
     out: Startup = {}
     for method in methods:
-        fns = [f for f in FUNCTIONS if f == "no torch" or method in TORCH_FN_METHODS]
-        for fn in fns:
+        for fn in [f for f in FUNCTIONS if method in FUNCTION_METHODS[f]]:
+            server = "light" if fn == NO_TORCH_IN_SERVER else "auto"
             for gap in gaps_s:
                 done = subprocess.run(
-                    [sys.executable, "-c", _CHILD, method, str(gap), FUNCTIONS[fn]],
+                    [sys.executable, "-c", _CHILD, method, str(gap), FUNCTIONS[fn], server],
                     capture_output=True,
                     text=True,
                     timeout=300,
@@ -212,7 +227,8 @@ def report_lines(startup: Startup) -> list[str]:
         "ms from `iter()` to the first item, 2 workers, each row a fresh process: its "
         "first Loader, then a second one. Gap: CPU work between `Loader(...)` and `iter()`. "
         "function: `abs` (its workers need no torch), or `bench_workloads.inc` (its module "
-        "imports torch).",
+        "imports torch: the forkserver preloads torch; 'server without torch': it is told "
+        "not to, and each worker imports torch).",
         "",
         "| start method | function | gap s | first Loader ms | later Loader ms |",
         "|---|---|--:|--:|--:|",
@@ -224,7 +240,7 @@ def report_lines(startup: Startup) -> list[str]:
 
 def targets(startup: Startup) -> list[tuple[str, str, bool]]:
     out = []
-    for fn in FUNCTIONS:
+    for fn in ("no torch", "torch module"):
         after = startup.get(("forkserver", fn, GAPS_S[-1]))
         if after is not None:
             out.append(

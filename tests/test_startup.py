@@ -159,3 +159,15 @@ def test_needs_torch_of_parallel_central_stages(tmp_path: Path) -> None:
     pipe = cp.Pipeline.from_iterable(range(4)).map(startup_torch_fns.scale, parallel=True)
     with cp.Loader(pipe, cp.LoaderConfig()) as loader:
         assert loader._preload() == [WORKER_MODULE, TORCH]
+
+
+def test_progress_stays_the_function_after_its_module_is_imported() -> None:
+    """`cp.progress` is the function even once the submodule of the same name
+    is imported (the public names load lazily)."""
+    import importlib
+
+    module = importlib.import_module("centralpipe.progress")
+    assert cp.progress is module.progress and callable(cp.progress)
+    namespace: dict[str, object] = {}
+    exec("from centralpipe import progress", namespace)
+    assert namespace["progress"] is module.progress

@@ -1,0 +1,67 @@
+"""The bench's start-up part: first-item rows per start method and function,
+the cold epoch's two functions, and their targets (never asserting a speed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from centralpipe import bench, bench_transport
+from centralpipe.bench_transport import FUNCTIONS, NO_TORCH_IN_SERVER
+
+
+def test_startup_child_times_a_first_and_a_later_loader() -> None:
+    """The fresh process the startup section runs (here with the option that
+    keeps torch out of the server) prints two positive times."""
+    args = ["fork", "0", FUNCTIONS[NO_TORCH_IN_SERVER], "light"]
+    done = subprocess.run(
+        [sys.executable, "-c", bench_transport._CHILD, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, later = (float(x) for x in done.stdout.split())
+    assert first > 0 and later > 0
+
+
+def test_startup_rows_and_targets() -> None:
+    """Each (method, function, gap) gets a row; the forkserver's first Loader
+    gets the 150 ms and 1.5 s targets for both functions, judged as stated."""
+    startup = {
+        ("fork", "no torch", 0.0): (0.02, 0.01),
+        ("forkserver", "no torch", 0.0): (0.6, 0.03),
+        ("forkserver", "no torch", 1.5): (0.004, 0.003),
+        ("forkserver", "torch module", 0.0): (2.0, 0.03),
+        ("forkserver", "torch module", 1.5): (0.4, 0.003),
+        ("forkserver", NO_TORCH_IN_SERVER, 1.5): (0.9, 0.8),
+    }
+    lines = bench_transport.report_lines(startup)
+    assert "| forkserver | torch module | 1.5 | 400 | 3 |" in lines
+    assert f"| forkserver | {NO_TORCH_IN_SERVER} | 1.5 | 900 | 800 |" in lines
+    got = {name: ok for name, _, ok in bench_transport.targets(startup)}
+    assert got == {
+        "first item, first Loader, forkserver, no torch, after 1.5 s of work: <= 150 ms": True,
+        "first item, first Loader, forkserver, no torch, no gap: <= 1.5 s": True,
+        "first item, first Loader, forkserver, torch module, after 1.5 s of work: <= 150 ms": (
+            False
+        ),
+        "first item, first Loader, forkserver, torch module, no gap: <= 1.5 s": False,
+    }
+    assert bench_transport.report_lines({}) == [] and bench_transport.targets({}) == []
+
+
+def test_cold_epoch_rows_for_both_functions() -> None:
+    """The cold cpu epoch reports the torch-free function and the torch module's;
+    the target row is the torch-free one (the `cpu` workload)."""
+    res = bench.Results()
+    res.cold = bench_transport.ColdEpoch(4000, 2, serial_s=4.0, first_s=0.2, total_s=2.5)
+    res.cold_torch = bench_transport.ColdEpoch(
+        4000, 2, serial_s=4.0, first_s=1.2, total_s=3.5, fn="torch module"
+    )
+    text = bench.report(res)
+    assert "| no torch | 4.00 | 2.50 | 1.60x | 200 |" in text
+    assert "| torch module | 4.00 | 3.50 | 1.14x | 1200 |" in text
+    got = {name: ok for name, _, ok in bench._targets(res)}
+    (cold,) = [k for k in got if k.startswith("cpu, 2 workers, a process's first Loader")]
+    assert got[cold] is True

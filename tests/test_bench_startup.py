@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from centralpipe import bench, bench_transport
+from centralpipe import bench, bench_report, bench_transport
 from centralpipe.bench_transport import FUNCTIONS, NO_TORCH_IN_SERVER
 
 
@@ -62,6 +62,6 @@ def test_cold_epoch_rows_for_both_functions() -> None:
     text = bench.report(res)
     assert "| no torch | 4.00 | 2.50 | 1.60x | 200 |" in text
     assert "| torch module | 4.00 | 3.50 | 1.14x | 1200 |" in text
-    got = {name: ok for name, _, ok in bench._targets(res)}
+    got = {name: ok for name, _, ok in bench_report._targets(res)}
     (cold,) = [k for k in got if k.startswith("cpu, 2 workers, a process's first Loader")]
     assert got[cold] is True

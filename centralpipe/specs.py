@@ -15,7 +15,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
-from torchdata.nodes import BaseNode
 
 from centralpipe.errors import PipelineError
 
@@ -236,6 +235,9 @@ def dataset_spec(dataset: Any, name: str) -> StageSpec:
 
 def node_spec(node: Any, name: str) -> StageSpec:
     """The spec of ``Pipeline.from_node(node, name=name)``."""
+    # Here, not at the top: workers unpickle specs, and need no torch(data).
+    from torchdata.nodes import BaseNode
+
     check_name(name)
     if not isinstance(node, BaseNode):
         msg = (

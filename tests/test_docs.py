@@ -19,8 +19,11 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+import centralpipe as cp
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -112,3 +115,90 @@ def test_page_runs(page: Path, tmp_path: Path) -> None:
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert proc.returncode == 0, f"{page.name}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+# -- printed outputs: a fragment that shows what the library returns must match it ------
+
+
+def _fragment_after(page: Path, marker: str) -> Any:
+    """The first ```python fragment block after ``marker`` on ``page``, evaluated
+    as a literal (``...`` stands for a shortened list)."""
+    text = page.read_text()
+    start = text.index(marker)
+    info, code = next(
+        (m.group(1).strip(), m.group(2)) for m in BLOCK.finditer(text) if m.start() > start
+    )
+    assert "fragment" in info.split(), (page.name, marker)
+    return ast.literal_eval(code)
+
+
+def _shorten(rng: list[Any]) -> list[Any]:
+    """A shuffle's generator state as the docs print it: three ints, ..., the last."""
+    version, ints, gauss = rng
+    return [version, [*ints[:3], ..., ints[-1]], gauss]
+
+
+def test_concepts_checkpoint_is_the_real_one() -> None:
+    """The checkpoint printed in docs/concepts.md is, key for key and value for
+    value, the one its text says it comes from (generator state shortened)."""
+    printed = _fragment_after(ROOT / "docs" / "concepts.md", "A real checkpoint.")
+    pipe = cp.Pipeline.from_iterable(range(20)).shuffle(4).count("seen").batch(3)
+    config = cp.LoaderConfig(workers=cp.WorkerConfig(num_workers=0, buffer_size=4, chunk_size=2))
+    with cp.Loader(pipe.dispatch().collate(), config) as loader:
+        it = iter(loader)
+        assert next(it).tolist() == [0, 4, 3]
+        real = loader.state_dict()
+    real["central"]["shuffle_1"]["rng"] = _shorten(real["central"]["shuffle_1"]["rng"])
+    assert printed == real
+
+
+def _shape(value: Any) -> Any:
+    """The keys of nested dicts (what a printed example must not get wrong)."""
+    if isinstance(value, dict):
+        return {k: _shape(v) for k, v in value.items()}
+    return type(value).__name__ if isinstance(value, (list, bool)) else "value"
+
+
+def test_concepts_metrics_have_the_real_keys() -> None:
+    """The metrics printed in docs/concepts.md have exactly the keys of a real
+    run of the quickstart pipeline with the config the text names, and its
+    config-given values (timing-dependent counts differ from run to run)."""
+    printed = _fragment_after(ROOT / "docs" / "concepts.md", "## Metrics")
+    pipe = (
+        cp.Pipeline.from_iterable(range(1000))
+        .shuffle(100)
+        .count("seen")
+        .batch(8)
+        .dispatch()
+        .collate()
+    )
+    workers = cp.WorkerConfig(num_workers=2, buffer_size=64, chunk_size=4, start_method="fork")
+    with cp.Loader(pipe, cp.LoaderConfig(workers=workers)) as loader:
+        it = iter(loader)
+        for _ in range(48):
+            next(it)
+        real = loader.metrics()
+    assert _shape(printed) == _shape(real)
+    fixed = ("num_workers", "delivered", "buffer_size", "buffer_bytes", "chunk_size", "skipped")
+    for d in (printed["dispatch"], real["dispatch"]):
+        assert d["buffered"] == d["dispatched"] - d["delivered"]
+        assert d["delivered"] <= sum(d["items_per_worker"]) <= d["dispatched"]
+    assert {k: printed["dispatch"][k] for k in fixed} == {k: real["dispatch"][k] for k in fixed}
+
+
+def test_api_metrics_lists_the_real_keys() -> None:
+    """docs/api.md's row for metrics() names exactly the dispatch and transport keys."""
+    row = next(
+        line
+        for line in (ROOT / "docs" / "api.md").read_text().splitlines()
+        if line.startswith("| `metrics() ")
+    )
+    dispatch_part = row.split('"dispatch": {', 1)[1].split("}", 1)[0]
+    transport_part = row.split('`"transport"`', 1)[1].split("}", 1)[0]
+    pipe = cp.Pipeline.from_iterable(range(8)).dispatch().map(str)
+    workers = cp.WorkerConfig(num_workers=1, start_method="fork")
+    with cp.Loader(pipe, cp.LoaderConfig(workers=workers)) as loader:
+        list(loader)
+        real = loader.metrics()["dispatch"]
+    assert re.findall(r'"(\w+)"', dispatch_part) == list(real)
+    assert re.findall(r'"(\w+)"', transport_part) == list(real["transport"])

@@ -290,3 +290,23 @@ def test_restore_failure_rolls_back_to_the_pending_checkpoint() -> None:
     with cp.Loader(pipe, CONFIG) as loader:
         loader.load_state_dict(near)
         assert collect(loader) == expected_rest
+
+
+def test_restore_failure_mid_pass_keeps_that_pass_position() -> None:
+    """A checkpoint refused only while the stages restore, loaded mid-pass, stops
+    that pass but keeps its position pending: the next pass resumes it exactly."""
+    source = _Shrinking(10)
+    pipe = cp.Pipeline.from_iterable(source).shuffle(2).count("c")
+    far, _ = _state_at(pipe, 8)
+    source.n = 5
+    _, epoch = _state_at(pipe, 0)
+    with cp.Loader(pipe, CONFIG) as loader:
+        it = iter(loader)
+        head = [next(it) for _ in range(2)]
+        before = loader.state_dict()
+        with pytest.raises(cp.CheckpointError, match="the iterable now has only 5 items"):
+            loader.load_state_dict(far)
+        assert loader.state_dict() == before
+        with pytest.raises(RuntimeError, match="superseded"):
+            next(it)
+        assert head + collect(loader) == epoch

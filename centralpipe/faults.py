@@ -59,7 +59,12 @@ T = TypeVar("T")
 #: starts workers runs thousands of events).
 MAX_EVENTS = 5_000
 #: Keys whose values are user data (items, buffers, RNG state): never damaged.
-PAYLOAD_KEYS = frozenset({"items", "buffer", "heap", "batch", "held", "rng", "stamps"})
+PAYLOAD_KEYS = frozenset(
+    {"items", "buffer", "heap", "batch", "held", "pending", "round", "queue", "rng", "stamps"}
+)
+#: Keys of lists of ``[room, [items]]`` (``pack``'s open groups): the rooms are
+#: checked, the items are user data.
+GROUP_KEYS = frozenset({"groups"})
 #: Keys whose values may legitimately be any number (``count`` weights); the
 #: totals in stamps hold weights too, so numbers there only get a wrong type.
 ANY_NUMBER_KEYS = frozenset({"weight"})
@@ -155,7 +160,10 @@ def _targets(node: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any,
                 continue
             yield from _targets(value, (*path, key))
     elif isinstance(node, (list, tuple)):
+        group = len(path) >= 2 and path[-2] in GROUP_KEYS
         for i, value in enumerate(node):
+            if group and i == 1:  # a pack group's items
+                continue
             yield from _targets(value, (*path, i))
 
 

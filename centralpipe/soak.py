@@ -1,7 +1,9 @@
 """``python -m centralpipe soak --minutes N``: a long randomized fault run.
 
-Round after round it builds a loader with a random worker count, buffer (in
-items and in bytes) and chunk size, kills workers from outside and from inside
+Round after round it builds a loader over a random pipeline (``batch``,
+``bucket_by_max_tokens`` or ``pack`` groups, sometimes a central map and
+filter and a parallel map) with a random worker count, buffer (in items and
+in bytes) and chunk size, kills workers from outside and from inside
 worker stages, makes worker stages raise (skipped with ``on_error="skip"``),
 checkpoints at random points, closes loaders mid-epoch and resumes in fresh
 ones with another worker count. On top of that, seeded from ``--seed``
@@ -9,9 +11,11 @@ ones with another worker count. On top of that, seeded from ``--seed``
 
 - ``KeyboardInterrupt`` lands at a random point inside ``next()`` (often the
   first, which starts the workers), ``state_dict()`` and ``close()``. After
-  one in ``next()`` the checkpoint taken then must resume exactly after the
-  last item delivered; after one in ``state_dict()`` the iterator goes on;
-  after one in ``close()`` a second ``close()`` must end every worker.
+  one in ``next()`` the same iterator goes on with exactly the remaining
+  items (half the time), or the checkpoint taken then must resume exactly
+  after the last item delivered; after one in ``state_dict()`` the iterator
+  goes on; after one in ``close()`` a second ``close()`` must end every
+  worker.
 - Damaged copies of checkpoints are loaded into fresh loaders, into loaders
   with a good checkpoint pending and into loaders mid-iteration: each must
   raise ``CheckpointError`` and leave the loader as it was.
@@ -53,6 +57,9 @@ RAISE_MOD, RAISE_AT = 97, 13
 #: Chance, per loader, of an interrupt in one ``next()`` (30 % of them in the
 #: first, which starts the workers), in ``state_dict()`` and in ``close()``.
 P_INTERRUPT_ITER, P_INTERRUPT_STATE, P_INTERRUPT_CLOSE = 0.5, 0.5, 0.5
+#: Chance that the same iterator goes on after an interrupt in ``next()``
+#: (else the loader is checkpointed and closed).
+P_CONTINUE = 0.5
 #: Interrupts in a ``next()`` after the first land within this many events.
 LATER_NEXT_EVENTS = 30
 #: Chance, per loader, of loading damaged checkpoints (fresh, pending, live).
@@ -84,16 +91,39 @@ def chaos(x: int, *, main_pid: int, marker_dir: str, kill_mod: int) -> int:
     return x
 
 
-def _pipeline(n: int, shuffle: int, batch: int, fn: Any) -> cp.Pipeline:
-    return (
-        cp.Pipeline.from_iterable(range(n))
-        .shuffle(shuffle)
-        .count("seen")
-        .batch(batch)
-        .dispatch()
-        .flat_map(unbatch)
-        .map(fn)
-    )
+def same(x: int) -> int:
+    return x
+
+
+def keep(x: int) -> bool:
+    return x % 11 != 5
+
+
+def size(x: int) -> int:
+    return x % 5 + 1
+
+
+def _pipeline(n: int, shuffle: int, batch: int, fn: Any, rng: random.Random) -> cp.Pipeline:
+    """The round's pipeline: a source, a shuffle and a count, then groups of
+    items made by ``batch``, ``bucket_by_max_tokens`` or ``pack`` (the stages
+    that gather several inputs per call), sometimes after a central map and
+    filter and a parallel map, all of whose calls an interrupt can cut short;
+    the worker stages ungroup the items and run ``fn``."""
+    p = cp.Pipeline.from_iterable(range(n))
+    if rng.random() < 0.3:
+        p = p.map(same, parallel=True, name="par")
+    p = p.shuffle(shuffle)
+    if rng.random() < 0.5:
+        p = p.map(same).filter(keep)
+    p = p.count("seen", weight_fn=size if rng.random() < 0.5 else None)
+    group = rng.choice(["batch", "batch", "bucket", "pack"])
+    if group == "bucket":
+        p = p.bucket_by_max_tokens(4 * batch, len_fn=size, buffer_size=shuffle)
+    elif group == "pack":
+        p = p.pack(4 * batch + 5, len_fn=size, buffer_size=shuffle)
+    else:
+        p = p.batch(batch)
+    return p.dispatch().flat_map(unbatch).map(fn)
 
 
 def _open_fds() -> dict[int, str]:
@@ -180,6 +210,7 @@ class Totals:
     def __init__(self) -> None:
         self.rounds = self.delivered = self.lost = self.duplicated = self.misordered = 0
         self.restarts = self.skipped = self.resumes = self.outside_kills = self.closed_mid_epoch = 0
+        self.continued = 0  # iterators that went on after an interrupt in next()
         self.refused: Counter[str] = Counter()  # damaged checkpoints, by kind of defect
         self.leaked_workers = 0
         self.problems: list[str] = []
@@ -279,7 +310,7 @@ def _one_round(rng: random.Random, totals: Totals, tmp: Path, inject: faults.Int
     fn = functools.partial(
         chaos, main_pid=os.getpid(), marker_dir=marker_dir, kill_mod=rng.choice([0, 101, 333])
     )
-    pipe = _pipeline(n, shuffle, batch, fn)
+    pipe = _pipeline(n, shuffle, batch, fn, rng)
     first = _config(rng, rng.choice([1, 2, 3]))
     reference_cfg = cp.LoaderConfig(
         workers=cp.WorkerConfig(num_workers=0, on_error="skip"), seed=first.seed
@@ -325,7 +356,11 @@ def _one_round(rng: random.Random, totals: Totals, tmp: Path, inject: faults.Int
                     finished = True
                     break
                 except KeyboardInterrupt:
-                    break  # the iterator is over; the checkpoint resumes after `got`
+                    interrupt_at = -1
+                    if rng.random() < P_CONTINUE:
+                        totals.continued += 1
+                        continue  # the same iterator goes on with the next item
+                    break  # the checkpoint taken below resumes after `got`
                 got.append(x)
                 pids.update(loader.worker_pids())
                 if i == kill_at and loader.worker_pids():
@@ -438,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         f"  resumes         : {totals.resumes} ({totals.closed_mid_epoch} loaders closed mid-epoch)"
     )
     print(f"  interrupts      : {_interrupt_line(inject)}")
+    print(f"  went on after   : {totals.continued} interrupted next() (same iterator)")
     kinds = ", ".join(f"{k} {n}" for k, n in sorted(totals.refused.items()))
     print(f"  damaged ckpts   : {refused} refused ({kinds})")
     print(f"  problems        : {len(totals.problems) + sum(inject.converted.values())}")

@@ -184,20 +184,23 @@ def _until_interrupt(it: Iterator[Any]) -> list[Any]:
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize(("name", "k"), PARAMS)
 def test_interrupt_in_a_stage_loses_nothing(name: str, k: int, workers: int) -> None:
-    """Ctrl-C inside a central stage's call: the checkpoint taken then, loaded
-    into the same loader (the pass goes on) or a fresh one, gives exactly the
-    rest of the epoch; with 2 workers a parallel map runs on them first."""
+    """Ctrl-C inside a central stage's call: the same iterator goes on, and the
+    checkpoint taken then, loaded into the same loader or a fresh one, gives
+    exactly the rest of the epoch; with 2 workers a parallel map runs on them
+    first."""
     make = CASES[name][0]
     parallel = workers > 0
     expected = _expected(name, parallel)
     rest = LIMIT.get(name)
     config = _config(name, workers)
     with cp.Loader(make(k, parallel), config) as loader:
-        got = _until_interrupt(iter(loader))
+        it = iter(loader)
+        got = _until_interrupt(it)
         sd = loader.state_dict()
         assert sd["finished"] is False
         if rest is not None:
             rest -= len(got)
+        assert got + _take(it, rest) == expected  # the same iterator goes on
         loader.load_state_dict(sd)
         again = _take(loader, rest)
     assert got + again == expected
@@ -266,9 +269,11 @@ def test_interrupt_while_read_lines_opens_a_file(
         expected = list(loader)
     monkeypatch.setattr(files_stage, "open", Trip(open, 3), raising=False)  # the third file
     with cp.Loader(pipe(), config) as loader:
-        got = _until_interrupt(iter(loader))
+        it = iter(loader)
+        got = _until_interrupt(it)
         sd = loader.state_dict()
         assert sd["central"]["read_lines_1"]["path"] == "2.txt"
+        assert got + list(it) == expected
         loader.load_state_dict(sd)
         assert got + list(loader) == expected
     with cp.Loader(pipe(), config) as fresh:
@@ -295,10 +300,12 @@ def test_interrupt_while_mix_starts_a_pass(monkeypatch: pytest.MonkeyPatch, work
     expected = _expected("mix-never", workers > 0)
     monkeypatch.setattr(Mix, "_start_source", start)
     with cp.Loader(_mix(None, "never", workers > 0), config) as loader:
-        got = _until_interrupt(iter(loader))
+        it = iter(loader)
+        got = _until_interrupt(it)
         sd = loader.state_dict()
         assert sd["central"]["mix"]["restart"] is True
         rest = LIMIT["mix-never"] - len(got)
+        assert got + _take(it, rest) == expected
         loader.load_state_dict(sd)
         assert got + _take(loader, rest) == expected
     assert fired

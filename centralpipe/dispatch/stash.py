@@ -32,12 +32,12 @@ import mmap
 import os
 import select
 import socket
+import sys
 import time
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from centralpipe.dispatch.shm import (
     EXTENT,
@@ -48,6 +48,9 @@ from centralpipe.dispatch.shm import (
     aligned,
     dup_socket,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Placed", "RingRef", "RingWriter", "receive_ring", "stash"]
 
@@ -278,8 +281,11 @@ def stash(obj: Any, ring: RingWriter) -> Any:
     """``obj``, or a :class:`RingRef` to a copy of it in ``ring`` (see the
     module docstring); never raises."""
     cls = type(obj)
+    # torch.Tensor from sys.modules: a worker whose functions need no torch
+    # never imports it (see dispatch.preload); without torch, no tensor.
+    torch = sys.modules.get("torch")
     try:
-        if cls is torch.Tensor:
+        if torch is not None and cls is torch.Tensor:
             return _stash_tensor(obj, ring)
         if cls is np.ndarray:
             return _stash_array(obj, ring)
@@ -289,6 +295,8 @@ def stash(obj: Any, ring: RingWriter) -> Any:
 
 
 def _stash_tensor(t: torch.Tensor, ring: RingWriter) -> Any:
+    import torch
+
     if (
         t.device.type != "cpu"
         or t.layout != torch.strided

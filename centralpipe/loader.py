@@ -234,7 +234,8 @@ class Loader(Generic[T]):
         if w.executor != "process" or not self._pooled():
             return
         method = w.resolved_start_method()
-        warm_up(method, self._preload())
+        if method == "forkserver":
+            warm_up(method, self._preload())
         if method not in BACKGROUND_METHODS:
             return
         pool = None
@@ -255,13 +256,10 @@ class Loader(Generic[T]):
         spec = WorkerSpec([*self._segment_chains, self._chain], os.getpid())
         if w.executor == "thread":
             return ThreadPool(w.num_workers, spec)
-        return ProcessPool(
-            w.num_workers,
-            spec,
-            w.resolved_start_method(),
-            w.shared_memory_bytes,
-            self._preload(),
-        )
+        method = w.resolved_start_method()
+        if method != "forkserver":  # only a forkserver preloads anything
+            return ProcessPool(w.num_workers, spec, method, w.shared_memory_bytes)
+        return ProcessPool(w.num_workers, spec, method, w.shared_memory_bytes, self._preload())
 
     def _ensure_pool(self) -> Executor:
         res = self._res

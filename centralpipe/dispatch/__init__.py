@@ -20,8 +20,9 @@ Modules, by role:
 - ``worker``     the worker loop, for a process or a thread.
 - ``pool``       the executors: worker processes or threads; start, replace,
   shut down.
-- ``sender``     pulling chunks from the central chain and sending them
-  round-robin; the drivers (inline, feeder thread, parallel stage).
+- ``pull``       pulling a chunk from the central chain into a stream.
+- ``sender``     sending chunks round-robin; the drivers (inline, feeder
+  thread, parallel stage).
 - ``reorder``    a :class:`~centralpipe.dispatch.reorder.Stream`: in-order
   delivery and the checkpoint capture of its in-flight inputs.
 - ``stamps``     the ``count``/``shard`` totals each dispatched item carries.
@@ -127,6 +128,19 @@ finalizer takes no lock: in one of the Loader's own threads (which may hold
 any of its locks when garbage collection runs it) it only sets the stop flags
 (``Run.abandon``) and hands the close to a ``centralpipe-closer`` thread
 (:mod:`centralpipe.lifetime`).
+
+Ctrl-C (any ``BaseException`` that is not an ``Exception``) lands only in
+the consumer's thread, at a function call. Every step of the consumer's
+path keeps state whole at each call, so the interrupt is raised at once and
+ends nothing: only an ``Exception`` from the central chain is a stage's
+failure; the items a cut-short pull got stay in a closed chunk that the next
+call runs or sends first; a send cut short replaces the worker (half a
+message may be in its pipe); a re-send leaves the queue only once sent; a
+chunk is retired whole or not at all; the iterators are not generators (an
+exception raised through a generator ends it). Every close is finished by
+the next call: a resource is forgotten only once released, and every pipe
+end and ring is registered as it is opened
+(``tests/test_dispatch_interrupts.py``).
 
 Races the design rules out (each with a test that makes it happen,
 ``tests/test_by_design.py``): a status read in the middle of the worker's

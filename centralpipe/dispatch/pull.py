@@ -1,0 +1,256 @@
+"""Pulling a chunk from the central chain into a stream.
+
+:func:`pull_chunk` pulls up to one chunk of items from the stream's source
+(the central stage before the boundary) into a
+:class:`~centralpipe.dispatch.reorder.Stream`, holding the stream's lock in
+short slices so ``state_dict()``/``query()`` get it promptly; the drivers in
+:mod:`centralpipe.dispatch.sender` then have the chunk run. The chunk size
+adapts to the measured cost of the worker stages (:func:`target_chunk`), and
+a chunk is pulled only when a whole one fits in the buffer
+(:func:`has_room`).
+
+A Ctrl-C (any ``BaseException`` that is not an ``Exception``) from the
+chain is not a stage's failure: the items pulled so far stay in the chunk,
+closed, and it is re-raised at once (:func:`pull_chunk`).
+"""
+
+from __future__ import annotations
+
+import time
+
+from centralpipe.dispatch.protocol import Chunk
+from centralpipe.dispatch.reorder import FIRST_CHUNK, Stream
+from centralpipe.dispatch.supervisor import POLL_S
+
+__all__ = [
+    "FLUSH_S",
+    "LOCK_SLICE_S",
+    "MAX_CHUNK",
+    "MAX_CHUNK_RESULT_BYTES",
+    "PULL_BURST",
+    "TARGET_CHUNK_S",
+    "has_room",
+    "pull_chunk",
+    "target_chunk",
+]
+
+#: A chunk being filled is sent after this long even if not full.
+FLUSH_S = 0.02
+#: The feeder releases the lock at least this often while pulling.
+LOCK_SLICE_S = 0.0005
+#: Work per chunk the adaptive chunk size aims at.
+TARGET_CHUNK_S = 0.005
+MAX_CHUNK = 1024
+#: Most result bytes per chunk (as measured): a quarter of the default
+#: shared-memory ring, so a worker writes its next results while the main
+#: process copies out the previous ones.
+MAX_CHUNK_RESULT_BYTES = 16 * 2**20
+#: Most items pulled between two looks at the clock (one at a time; in
+#: bulk, up to ``MAX_CHUNK``).
+PULL_BURST = 32
+
+
+def target_chunk(s: Stream) -> int:
+    """Items for the next chunk: fixed, or adapted to the measured cost."""
+    n = _chunk_target(s)
+    s.stats.chunk_size = n
+    return n
+
+
+def _chunk_target(s: Stream) -> int:
+    if s.fixed_chunk is not None:
+        n = s.fixed_chunk
+    elif s.cost_per_item <= 0:
+        n = FIRST_CHUNK
+    else:
+        n = max(1, min(MAX_CHUNK, int(TARGET_CHUNK_S / s.cost_per_item)))
+        per_item = s.stats.bytes_per_item  # measured by dispatch.budget; < 0: not yet
+        if per_item > 0:
+            n = max(1, min(n, int(MAX_CHUNK_RESULT_BYTES / per_item)))
+    if s.buffer_size is not None:
+        n = min(n, max(1, s.buffer_size // (2 * s.parallelism)))
+    return n
+
+
+def has_room(s: Stream) -> bool:
+    """Whether the buffer has room for a whole chunk. Pulling as soon as one
+    item fits would size every later chunk like the one just retired: the
+    small first chunks would stay small for the whole epoch."""
+    if s.exhausted:
+        return False
+    if s.buffer_size is None:
+        return True
+    return s.buffer_size - s.in_flight >= _chunk_target(s)
+
+
+def pull_chunk(s: Stream) -> Chunk | None:
+    """Pull up to one chunk of items; ``None`` when nothing is left (or
+    stopping). The chunk is in ``pending`` from its first item on.
+
+    The central chain runs under ``s.chain_lock``, in slices; the counters
+    move under ``s.lock`` before the slice ends, so a reader holding both
+    sees every pulled item either in a pending chunk or not yet pulled.
+    After the stream is stopped, no slice starts: a thread that was inside
+    ``next()`` leaves the chain when that call returns.
+
+    Only an ``Exception`` from the chain is a central stage's failure (it
+    ends the stream after the items before it). Anything else — Ctrl-C
+    (``KeyboardInterrupt``), ``SystemExit`` — is re-raised at once, after the
+    items pulled so far are kept in the chunk, closed (:func:`_keep`): the
+    drivers then run it like any other, so the pass goes on exactly."""
+    target = target_chunk(s)
+    stamped = bool(s._stamped)
+    with s.lock:
+        if s.exhausted or s.stopping:
+            return None
+        if s.buffer_size is not None:
+            target = max(1, min(target, s.buffer_size - s.in_flight))
+        first_seq = s._resume[0][0] if s._resume else s.next_seq
+        chunk = Chunk(s.next_cid, first_seq, stamped)
+        s.next_cid += 1
+        s.pending.append(chunk)
+        s.by_cid[chunk.cid] = chunk
+    counted = [0]  # items of the chunk already counted in next_seq and in_flight
+    try:
+        return _fill(s, chunk, target, counted)
+    except BaseException:
+        _keep(s, chunk, counted)
+        raise
+
+
+def _count(s: Stream, chunk: Chunk, counted: list[int]) -> None:
+    """Under ``s.lock``: count the chunk's items not yet counted. Derived
+    from the chunk itself (its seqs are contiguous, resumed items first), so
+    it is right wherever a slice was cut short."""
+    n = len(chunk.items)
+    s.in_flight += n - counted[0]
+    counted[0] = n
+    end = chunk.first_seq + n
+    if end > s.next_seq:
+        s.next_seq = end
+    if s.in_flight > s.stats.high_water:
+        s.stats.high_water = s.in_flight
+
+
+def _keep(s: Stream, chunk: Chunk, counted: list[int]) -> None:
+    """The chunk being filled was cut short (Ctrl-C, or a bug of ours): keep
+    what it holds as a closed chunk, or drop it if empty. No stage has moved
+    since its last item was pulled, so a missing stamp is taken now."""
+    stamps = chunk.stamps
+    try:
+        if stamps is not None and len(stamps) < len(chunk.items):
+            stamps.append(s._stamp_now())
+    finally:
+        with s.lock:
+            _count(s, chunk, counted)
+            if chunk.closed:
+                pass
+            elif chunk.items:
+                chunk.closed = True
+                s.stats.dispatched += len(chunk.items)
+            elif chunk in s.pending:
+                s.pending.remove(chunk)
+                del s.by_cid[chunk.cid]
+
+
+def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | None:
+    started = time.perf_counter()
+    nxt = s.tip.next
+    items, stamps = chunk.items, chunk.stamps
+    append = items.append
+    # Without stamps, items come in bulk (``pull_into``): a source or a
+    # parallel stage hands out a slice at a time instead of one per call.
+    pull = s.tip.pull_into if stamps is None else None
+    most = PULL_BURST if pull is None else MAX_CHUNK
+    chain_lock = s.chain_lock
+    resume = s._resume
+    while True:
+        if s._readers:
+            # Lock hand-off is not fair: drop the GIL so a waiting
+            # state_dict()/query() gets the lock before we take it again.
+            time.sleep(0)
+        # Taken inside the try and noted in one statement: an interrupt
+        # (Ctrl-C) between taking it and entering the try would keep the
+        # chain locked for good (every state_dict() would time out).
+        acquired = False
+        try:
+            acquired = chain_lock.acquire(timeout=POLL_S)
+            if not acquired:
+                if s.stopping:
+                    break
+                continue  # a reader, or a stopped run's thread still in next()
+            if s.stopping:
+                break
+            t0 = time.perf_counter()
+            slice_end = t0 + LOCK_SLICE_S
+            while resume and len(items) < target:
+                seq, item, stamp = resume[0]
+                if stamps is not None and stamp is None:
+                    stamp = s._stamp_now()
+                # From here to the popleft no function is called: an item is
+                # in the chunk or still to resume, never both or neither.
+                if seq in s._resume_skip:
+                    chunk.skip.add(len(items))
+                if seq == s._resume_skip_first[0]:
+                    chunk.skip_first = s._resume_skip_first[1]
+                if stamps is not None:
+                    stamps.append(stamp)
+                append(item)
+                resume.popleft()
+            before = len(items)
+            exhausted = False
+            error: Exception | None = None
+            try:
+                while len(items) < target:
+                    # Pull in short bursts; look at the clock between them.
+                    burst = min(s._burst, target - len(items))
+                    if pull is not None:
+                        pull(items, burst)
+                    else:
+                        for _ in range(burst):
+                            if s.stopping:  # a next() that blocked may have outlived the run
+                                break
+                            # Appended before it is stamped: an interrupt at
+                            # the stamp's call would otherwise drop the item
+                            # the chain has just produced (a whole batch).
+                            append(nxt())
+                            if stamps is not None:
+                                stamps.append(s._stamp_now())
+                    if time.perf_counter() > slice_end or s.stopping:
+                        break
+            except StopIteration:
+                exhausted = True
+            except Exception as exc:  # a central stage failed
+                error = exc
+                exhausted = True
+                if stamps is not None and len(stamps) < len(items):
+                    # Raised between the pull and its stamp: no stage has
+                    # moved since, so the stamp now is that item's.
+                    stamps.append(s._stamp_now())
+            added = len(items) - before
+            now = time.perf_counter()
+            if added:
+                # Slow central stages get a look at the clock after every
+                # item, so the lock is never held much past LOCK_SLICE_S.
+                per_item = max(1e-9, (now - t0) / added)
+                s._burst = max(1, min(most, int(LOCK_SLICE_S / per_item / 4)))
+            with s.lock:
+                if exhausted:
+                    s.exhausted = True
+                    s.central_error = error
+                _count(s, chunk, counted)
+                s.stats.wait_central_s += now - t0
+                done = s.exhausted or len(items) >= target
+                if done or now - started > FLUSH_S:
+                    if not items:
+                        s.pending.remove(chunk)
+                        del s.by_cid[chunk.cid]
+                        return None
+                    chunk.closed = True
+                    s.stats.dispatched += len(items)
+                    return chunk
+        finally:
+            if acquired:
+                chain_lock.release()
+    # stopping: leave the chunk in pending (the run is abandoned anyway)
+    return None

@@ -503,7 +503,9 @@ def test_ctrl_c_anywhere_in_a_later_next(kind: str) -> None:
         if not landed:
             break
         k += 1
-    assert k > 5
+    # How many events that next() runs depends on which results are in
+    # already (a parallel stage's workers): at least one interrupt landed.
+    assert k > 1
 
 
 @pytest.mark.timeout(120)

@@ -34,10 +34,11 @@ from centralpipe.dispatch import protocol
 from centralpipe.dispatch.guard import busy_stage
 from centralpipe.dispatch.protocol import Chunk, ChunkResult, StageFailure
 from centralpipe.dispatch.pull import has_room, pull_chunk, target_chunk
-from centralpipe.dispatch.reorder import Driver, Stream
+from centralpipe.dispatch.reorder import FIRST_CHUNK, Driver, Stream
 from centralpipe.dispatch.supervisor import POLL_S, Session
 
 __all__ = [
+    "FIRST_CHUNK",
     "FeederDriver",
     "InlineDriver",
     "SegmentDriver",

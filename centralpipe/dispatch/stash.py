@@ -294,19 +294,26 @@ def stash(obj: Any, ring: RingWriter) -> Any:
     return obj
 
 
-def _stash_tensor(t: torch.Tensor, ring: RingWriter) -> Any:
+def plain_cpu_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a tensor whose bytes the transport writes itself: a
+    strided CPU tensor without autograd, quantization or a lazy conjugate or
+    negation bit (anything else goes through torch's own reduction)."""
     import torch
 
-    if (
+    return not (
         t.device.type != "cpu"
         or t.layout != torch.strided
         or t.requires_grad
         or t.is_quantized
         or t.is_conj()
         or t.is_neg()
-        or t.storage_offset()
-        or not t.is_contiguous()
-    ):
+    )
+
+
+def _stash_tensor(t: torch.Tensor, ring: RingWriter) -> Any:
+    import torch
+
+    if not plain_cpu_tensor(t) or t.storage_offset() or not t.is_contiguous():
         return t
     nbytes = t.numel() * t.element_size()
     if nbytes < MIN_RING_BUFFER_BYTES or t.untyped_storage().nbytes() != nbytes:

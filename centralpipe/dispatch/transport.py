@@ -46,7 +46,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from centralpipe.dispatch.shm import Ring
-from centralpipe.dispatch.stash import Placed, RingRef, RingWriter
+from centralpipe.dispatch.stash import Placed, RingRef, RingWriter, plain_cpu_tensor
 
 try:
     import numpy as np
@@ -215,14 +215,7 @@ class _Pickler(pickle.Pickler):
     def _reduce_tensor(self, t: torch.Tensor) -> Any:
         import torch
 
-        if (
-            t.device.type != "cpu"
-            or t.layout != torch.strided
-            or t.requires_grad
-            or t.is_quantized
-            or t.is_conj()
-            or t.is_neg()
-        ):
+        if not plain_cpu_tensor(t):
             return NotImplemented  # torch's own reduction
         shape, stride = tuple(t.shape), t.stride()
         if t.numel() == 0:

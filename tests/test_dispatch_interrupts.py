@@ -409,6 +409,16 @@ def _interrupt_at(k: int, fn: Callable[[], Any]) -> bool:
     return False
 
 
+def _sweep(attempt: Callable[[int], bool]) -> int:
+    """Run ``attempt(k)`` for k = 1, 2, ... (it injects an interrupt at the
+    k-th function entry and checks the outcome) until an interrupt no longer
+    lands; return that k, the number of entries the swept call runs plus 1."""
+    k = 1
+    while attempt(k):
+        k += 1
+    return k
+
+
 def _open_fds() -> set[str]:
     """Open fds, except multiprocessing's heap arenas (kept by the stdlib)."""
     out = set()
@@ -462,21 +472,20 @@ def test_ctrl_c_anywhere_in_the_first_next(workers: int) -> None:
     with cp.Loader(pipe, config) as warm:  # arenas and lazy imports, before counting
         collect(warm)
     before = _open_fds()
-    k = 1
-    while True:
+
+    def attempt(k: int) -> bool:
         loader: cp.Loader[int] = cp.Loader(pipe, config)
         it = iter(loader)
         got: list[int] = []
-        landed = _interrupt_at(k, lambda: got.append(next(it)))  # noqa: B023
+        landed = _interrupt_at(k, lambda: got.append(next(it)))
         got.extend(it)
         assert got == expected, f"interrupt at event {k}"
         loader.close()
         assert _live_children() == [], f"interrupt at event {k}"
         assert _settled(before) == set(), f"interrupt at event {k}"
-        if not landed:
-            break
-        k += 1
-    assert k > 10
+        return landed
+
+    assert _sweep(attempt) > 10
 
 
 @pytest.mark.timeout(180)
@@ -488,24 +497,23 @@ def test_ctrl_c_anywhere_in_a_later_next(kind: str) -> None:
     expected = [2 * i for i in range(N)]
     config = _config(kind)
     pipe = _pipe(kind, range(N))
-    k = 1
-    while True:
+
+    def attempt(k: int) -> bool:
         with cp.Loader(pipe, config) as loader:
             it = iter(loader)
             got = [next(it) for _ in range(8)]  # the first chunk: the next next() pulls
-            landed = _interrupt_at(k, lambda: got.append(next(it)))  # noqa: B023
+            landed = _interrupt_at(k, lambda: got.append(next(it)))
             sd, at = loader.state_dict(), len(got)
             got.extend(it)
             assert got == expected, f"interrupt at event {k}"
         with cp.Loader(pipe, config) as fresh:
             fresh.load_state_dict(sd)
             assert got[:at] + collect(fresh) == expected, f"interrupt at event {k}"
-        if not landed:
-            break
-        k += 1
+        return landed
+
     # How many events that next() runs depends on which results are in
     # already (a parallel stage's workers): at least one interrupt landed.
-    assert k > 1
+    assert _sweep(attempt) > 1
 
 
 @pytest.mark.timeout(120)
@@ -520,8 +528,8 @@ def test_close_cut_short_anywhere_leaks_nothing(start_method: str) -> None:
     with cp.Loader(pipe, config) as warm:
         collect(warm)
     before = _open_fds()
-    k = 1
-    while True:
+
+    def attempt(k: int) -> bool:
         loader: cp.Loader[int] = cp.Loader(pipe, config)
         it = iter(loader)
         next(it)
@@ -530,10 +538,9 @@ def test_close_cut_short_anywhere_leaks_nothing(start_method: str) -> None:
         assert loader.worker_pids() == []
         assert _live_children() == [], f"interrupt at event {k}"
         assert _settled(before) == set(), f"interrupt at event {k}"
-        if not landed:
-            break
-        k += 1
-    assert k > 10
+        return landed
+
+    assert _sweep(attempt) > 10
 
 
 @pytest.mark.timeout(30)
@@ -542,16 +549,16 @@ def test_ring_close_cut_short_is_finished_by_the_next() -> None:
     the next call: no descriptor stays open."""
     if not shm.available():
         pytest.skip("no memfd_create here")
-    k = 1
-    while True:
+
+    def attempt(k: int) -> bool:
         before = _open_fds()
         ring = shm.Ring(1 << 16)
         landed = _interrupt_at(k, ring.close)
         ring.close()
         assert ring.fds() == [] and _open_fds() - before == set(), f"interrupt at event {k}"
-        if not landed:
-            break
-        k += 1
+        return landed
+
+    _sweep(attempt)
 
 
 @pytest.mark.timeout(60)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Generator
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from tqdm.auto import tqdm
@@ -37,7 +37,7 @@ def progress(
     desc: str | None = None,
     min_interval_s: float = 0.1,
     **tqdm_kwargs: Any,
-) -> Generator[T, None, None]:
+) -> Iterator[T]:
     """Iterate ``loader`` (one epoch, or the rest of a resumed one) with a bar
     whose value is the ``weight`` of count stage ``stage`` as delivered, and
     whose postfix is the stage's ``items`` count.
@@ -65,7 +65,9 @@ def progress(
 
     Returns:
         An iterator over the loader's items; the bar is closed when it ends,
-        is closed, or is garbage collected.
+        raises, is closed, or is garbage collected. After a Ctrl-C
+        (``KeyboardInterrupt``) in ``next()`` the bar stays open and the same
+        iterator gives the remaining items.
 
     Raises:
         KeyError: ``stage`` is not a central stage of the loader.
@@ -108,43 +110,103 @@ def _iterate(
     desc: str | None,
     min_interval_s: float,
     tqdm_kwargs: dict[str, Any],
-) -> Generator[T, None, None]:
-    # Start the pass first (this generator is itself lazy): starting a new
-    # epoch resets the count stage, and a resumed loader reports the
-    # checkpoint's totals only from here on.
-    it = loader._iter_started()
-    state = loader.query(stage, delivered=True)
-    bar = tqdm(
-        total=total,
-        initial=state[WEIGHT_KEY],
-        unit=unit,
-        desc=desc,
-        postfix={ITEMS_KEY: state[ITEMS_KEY]},
-        **tqdm_kwargs,
-    )
-    try:
-        if bar.disable:
-            yield from it
-            return
-        monotonic = time.monotonic
-        last = monotonic()
+) -> Iterator[T]:
+    # Lazy, as a generator would be: the pass starts at the first ``next()``
+    # (starting a new epoch resets the count stage, and a resumed loader
+    # reports the checkpoint's totals only from there on).
+    return _Bar(loader, stage, total, unit, desc, min_interval_s, tqdm_kwargs)
+
+
+class _Bar(Iterator[T]):
+    """The iterator ``progress`` returns.
+
+    A class, not a generator: an exception raised through a generator ends
+    it, so a Ctrl-C landing in the loader's ``next()`` would end the loop's
+    iterator although the loader's own iterator goes on. Here a
+    ``KeyboardInterrupt`` (or ``SystemExit``) shows the bar where it stands
+    and leaves both open: the next ``next()`` gives exactly the remaining
+    items. Any other exception, the end of the pass, ``close()`` or garbage
+    collection closes the bar, exact.
+    """
+
+    def __init__(
+        self,
+        loader: Loader[T],
+        stage: str,
+        total: float | None,
+        unit: str,
+        desc: str | None,
+        min_interval_s: float,
+        tqdm_kwargs: dict[str, Any],
+    ) -> None:
+        self._loader = loader
+        self._stage = stage
+        self._bar_args = (total, unit, desc, tqdm_kwargs)
+        self._min_interval_s = min_interval_s
+        self._it: Iterator[T] | None = None
+        self._bar: Any = None
+        self._done = False
+        self._last = 0.0
+
+    def __iter__(self) -> _Bar[T]:
+        return self
+
+    def _start(self) -> None:
+        it = self._loader._iter_started()
+        state = self._loader.query(self._stage, delivered=True)
+        total, unit, desc, tqdm_kwargs = self._bar_args
+        self._bar = tqdm(
+            total=total,
+            initial=state[WEIGHT_KEY],
+            unit=unit,
+            desc=desc,
+            postfix={ITEMS_KEY: state[ITEMS_KEY]},
+            **tqdm_kwargs,
+        )
+        self._it = it
+        self._last = time.monotonic()
+
+    def __next__(self) -> T:
+        if self._done:
+            raise StopIteration
+        if self._it is None:
+            self._start()  # an interrupted start is started again next time
+        assert self._it is not None
         try:
-            for item in it:
-                now = monotonic()
-                if now - last >= min_interval_s:
-                    last = now
-                    _show(bar, loader.query(stage, delivered=True))
-                yield item
-        except GeneratorExit:  # the consumer stopped early: show where it stopped
-            _show(bar, loader.query(stage, delivered=True))
+            item = next(self._it)
+        except StopIteration:
+            self.close()
             raise
-        except BaseException:
+        except Exception:
+            self.close()  # shows the value where the loader stopped
+            raise
+        except BaseException:  # Ctrl-C: the pass goes on at the next ``next()``
+            self._refresh()
+            raise
+        if not self._bar.disable:
+            now = time.monotonic()
+            if now - self._last >= self._min_interval_s:
+                self._last = now
+                self._refresh()
+        return item
+
+    def _refresh(self) -> None:
+        if self._bar is not None and not self._bar.disable:
             with contextlib.suppress(Exception):  # keep the loader's error, not ours
-                _show(bar, loader.query(stage, delivered=True))
-            raise
-        _show(bar, loader.query(stage, delivered=True))
-    finally:
-        bar.close()
+                _show(self._bar, self._loader.query(self._stage, delivered=True))
+
+    def close(self) -> None:
+        """Show the exact value and close the bar (the loader stays open)."""
+        if self._done:
+            return
+        self._done = True
+        self._refresh()
+        if self._bar is not None:
+            self._bar.close()
+
+    def __del__(self) -> None:  # the consumer stopped early and dropped it
+        with contextlib.suppress(Exception):
+            self.close()
 
 
 def _show(bar: Any, state: dict[str, Any]) -> None:

@@ -6,7 +6,7 @@ import importlib
 import io
 import itertools
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -254,3 +254,51 @@ def test_each_epoch_starts_from_zero(bars: list[RecordingBar]) -> None:
         second = list(cp.progress(loader, total=N))
     assert first == second
     assert [(b.initial_value, b.n) for b in bars] == [(0, N), (0, N)]
+
+
+class _InterruptOnce(Sequence[int]):
+    """A source whose ``[at]`` raises KeyboardInterrupt once, handing out nothing."""
+
+    def __init__(self, n: int, at: int) -> None:
+        self.n, self.at, self.fired = n, at, False
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:  # type: ignore[override]
+        if i == self.at and not self.fired:
+            self.fired = True
+            raise KeyboardInterrupt
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return i
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["inline", "parallel-stage"])
+def test_ctrl_c_leaves_the_bar_open_and_the_same_iterator_goes_on(
+    bars: list[RecordingBar], parallel: bool
+) -> None:
+    """A Ctrl-C in the loader's ``next()`` reaches the loop; the same
+    ``progress`` iterator then gives exactly the rest, and the bar ends exact.
+
+    (A real Ctrl-C lands in the main thread: here the central chain runs in
+    the consumer's thread, inline or driving a parallel stage.)"""
+    pipe = (
+        cp.Pipeline.from_iterable(_InterruptOnce(N, at=200))
+        .batch(BATCH)
+        .count("pre_shard", weight_fn=len)
+        .map(_size, parallel=parallel)
+        .dispatch()
+    )
+    with cp.Loader(pipe, _cfg(2 if parallel else 0, 8)) as loader:
+        it = cp.progress(loader, min_interval_s=0)
+        out = []
+        with pytest.raises(KeyboardInterrupt):
+            for size in it:
+                out.append(size)
+        (bar,) = bars
+        assert not bar.closed
+        assert bar.n == sum(out)
+        out.extend(it)
+    assert out == [BATCH] * (N // BATCH) + [N % BATCH]
+    assert (bar.closed, bar.n) == (True, N)

@@ -55,7 +55,7 @@ def collect(
         "buffer_size": w.buffer_size,
         "buffer_high_water": s.high_water,
         "buffered_bytes": run.held_bytes() if run is not None else 0,
-        "buffer_bytes": w.buffer_bytes,
+        "buffer_bytes": run.held_limit(w.buffer_bytes) if run is not None else w.buffer_bytes,
         "buffered_bytes_high_water": s.bytes_high_water,
         "chunk_size": s.chunk_size,
         "skipped": s.skipped + sum(seg.skipped for seg in segment_stats.values()),

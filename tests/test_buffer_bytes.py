@@ -55,6 +55,30 @@ def test_straggler_keeps_held_bytes_under_the_bound(executor: str) -> None:
     assert BOUND // 2 <= d["buffered_bytes_high_water"] <= BOUND + 2 * (RESULT + 4096)
 
 
+@pytest.mark.parametrize(
+    ("executor", "configured", "in_force"),
+    [
+        # 2 rings of 4 MiB lend 3/4 each: the bound is lowered to 6 MiB
+        ("process", 2**30, 6 * 2**20),
+        ("process", 2**20, 2**20),  # already below what the rings lend
+        ("process", None, None),  # unlimited stays unlimited (results are copied)
+        ("thread", 2**30, 2**30),  # no rings
+    ],
+)
+def test_metrics_report_the_bound_in_force(
+    executor: str, configured: int | None, in_force: int | None
+) -> None:
+    """``metrics()["dispatch"]["buffer_bytes"]`` is the configured bound until a
+    pass starts, then the bound in force (lowered to what the rings lend)."""
+    extra = {"shared_memory_bytes": 4 * 2**20} if executor == "process" else {}
+    cfg = _config(executor, buffer_bytes=configured, **extra)
+    pipe = cp.Pipeline.from_iterable(range(4)).dispatch().map(abs)
+    with cp.Loader(pipe, cfg) as loader:
+        assert loader.metrics()["dispatch"]["buffer_bytes"] == configured
+        assert list(loader) == [0, 1, 2, 3]
+        assert loader.metrics()["dispatch"]["buffer_bytes"] == in_force
+
+
 @pytest.mark.parametrize("executor", EXECUTORS)
 def test_paused_workers_are_not_taken_for_hung(executor: str) -> None:
     """Workers left unread by the bound for longer than ``timeout_s`` (one worker

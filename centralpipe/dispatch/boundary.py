@@ -183,6 +183,11 @@ class Run:
         """Bytes of results received from workers and not yet delivered."""
         return 0 if self.session is None else self.session.held.held
 
+    def held_limit(self, configured: int | None) -> int | None:
+        """The bound on held bytes in force: ``configured`` (``buffer_bytes``),
+        lowered to what the workers' rings can lend once they exist."""
+        return configured if self.session is None else self.session.held.limit
+
     def segment_in_flight(self) -> dict[str, int]:
         return {n.name: s.in_flight for n, s in zip(self.segments, self.segment_streams)}
 

@@ -13,7 +13,10 @@ buffer, which then becomes the memory of the received tensor or array with
 no copy at all, or copies it out once; either way it tells the worker, on
 the release pipe, which space may be written again once nothing in the main
 process uses it: at once for a copy, when the last tensor or array on a lent
-buffer is freed (``weakref.finalize`` on the buffer they all keep alive).
+buffer is freed (a weak reference's callback on the array they all keep
+alive). Freed space is written back in batches (``RELEASE_BATCH_BYTES``, at
+most an eighth of the ring) and at every flush of the supervisor, which
+flushes whenever it waits or reads: one write per batch, not per result.
 
 Why it is safe:
 
@@ -43,7 +46,7 @@ Why it is safe:
 The worker's side (:class:`~centralpipe.dispatch.stash.RingWriter`) is in
 :mod:`centralpipe.dispatch.stash`. Only public APIs: ``os.memfd_create``,
 ``mmap`` (``madvise``), ``socket.send_fds`` / ``recv_fds``, ``os.pipe``,
-``weakref.finalize`` and numpy. Where
+``weakref`` and numpy. Where
 ``memfd_create`` does not exist (not Linux), workers have no ring and every
 buffer goes on the pipe.
 """
@@ -69,6 +72,7 @@ __all__ = [
     "LEND_SHARE",
     "MAGIC",
     "MIN_RING_BUFFER_BYTES",
+    "RELEASE_BATCH_BYTES",
     "RELEASE_EVERY_BYTES",
     "RING_ALIGN",
     "ROOM_WAIT_S",
@@ -86,6 +90,10 @@ RING_ALIGN = 64
 #: Copied-out space is released at least every this many bytes (and at each
 #: message's end).
 RELEASE_EVERY_BYTES = 2**20
+#: Space of freed lent buffers is written back to the worker in batches of
+#: this many bytes (at most an eighth of the ring), or at the supervisor's
+#: next flush: one write per batch, not per result.
+RELEASE_BATCH_BYTES = 4 * 2**20
 #: How long a worker waits for room in its ring while the main process is
 #: using earlier results, before it sends a buffer on the pipe instead.
 ROOM_WAIT_S = 0.05
@@ -112,6 +120,24 @@ def aligned(n: int) -> int:
 
 def dup_socket(conn: Connection) -> socket.socket:
     return socket.socket(fileno=os.dup(conn.fileno()))
+
+
+class _Lent(weakref.ref[Any]):
+    """Watches the array a lent buffer was handed out as: its callback runs
+    when that array (the base of everything built on the buffer) is freed."""
+
+    __slots__ = ("off", "size")
+    off: int
+    size: int
+
+    def __new__(cls, obj: Any, callback: Any, off: int, size: int) -> _Lent:
+        self = super().__new__(cls, obj, callback)
+        self.off = off
+        self.size = size
+        return self
+
+    def __init__(self, obj: Any, callback: Any, off: int, size: int) -> None:
+        super().__init__(obj, callback)  # type: ignore[call-arg]
 
 
 class Ring:
@@ -142,7 +168,12 @@ class Ring:
         self._release_r: int | None = r  # the worker's end, closed once handed over
         self._release_w: int | None = w
         self._lock = threading.Lock()
-        self._returned: collections.deque[int] = collections.deque()
+        self._returned: collections.deque[int] = collections.deque()  # freed, not queued
+        self._returned_bytes = 0
+        #: Freed lent space is written to the worker once this much is freed.
+        self.release_batch = min(RELEASE_BATCH_BYTES, capacity // 8)
+        #: Lent buffers' watchers, by offset (a watcher must outlive its callback).
+        self._watch: dict[int, _Lent] = {}
         #: Space the worker may not write: offset -> end, for lent buffers.
         self._lent: dict[int, int] = {}
         self._lent_starts: list[int] = []  # sorted keys of _lent
@@ -190,35 +221,55 @@ class Ring:
         Raises ``EOFError`` for space the worker may not have written (lent,
         outside the ring: a damaged or foreign message): the pipe is then out
         of step and the worker is treated as dead."""
-        end = off + aligned(size)
+        return self.take_many([(off, size)])[0]
+
+    def take_many(self, spans: list[tuple[int, int]]) -> list[Any]:
+        """:meth:`take` for each ``(offset, size)`` of one message, under one
+        lock. On ``EOFError`` the buffers already taken are released with
+        their arrays, as always."""
+        out: list[Any] = []
+        lent: list[tuple[Any, int, int]] = []
+        self._drain_returned()  # what was freed may be named again
         try:
             with self._lock:  # also keeps close() from freeing pages being copied
                 m = self._map
                 if self.closed or m is None:
                     raise EOFError("the ring is closed")
-                if size <= 0 or off < 0 or off % RING_ALIGN or end > self.capacity:
-                    msg = f"ring offset {off} (+{size} bytes) is outside the ring ({self.capacity})"
-                    raise EOFError(msg)
-                self._check_free(off, end)
-                view = np.frombuffer(m, dtype=np.uint8, count=size, offset=off)
-                self.ring_bytes += size
-                if self.lent + (end - off) > self.capacity * LEND_SHARE:
-                    out = np.empty(size, dtype=np.uint8)
-                    np.copyto(out, view)  # without the GIL
-                    del view
-                    self._queue(off, end)
-                    if self._unsent_bytes >= RELEASE_EVERY_BYTES:
-                        self._write_unsent()
-                    return out
-                at = bisect.bisect_left(self._lent_starts, off)
-                self._lent_starts.insert(at, off)
-                self._lent[off] = end
-                self.lent += end - off
-                self.lent_bytes += size
+                share = self.capacity * LEND_SHARE
+                for off, size in spans:
+                    end = off + aligned(size)
+                    if size <= 0 or off < 0 or off % RING_ALIGN or end > self.capacity:
+                        msg = (
+                            f"ring offset {off} (+{size} bytes) is outside the ring "
+                            f"({self.capacity})"
+                        )
+                        raise EOFError(msg)
+                    self._check_free(off, end)
+                    view = np.frombuffer(m, dtype=np.uint8, count=size, offset=off)
+                    self.ring_bytes += size
+                    if self.lent + (end - off) > share:
+                        copied = np.empty(size, dtype=np.uint8)
+                        np.copyto(copied, view)  # without the GIL
+                        del view
+                        self._queue(off, end)
+                        if self._unsent_bytes >= RELEASE_EVERY_BYTES:
+                            self._write_unsent()
+                        out.append(copied)
+                        continue
+                    # Lent: the worker may not write [off, end) until the
+                    # array (and all built on it) is freed.
+                    self._lent[off] = end
+                    bisect.insort(self._lent_starts, off)
+                    self.lent += end - off
+                    self.lent_bytes += size
+                    lent.append((view, off, end))
+                    out.append(view)
         finally:
+            # Watched outside the lock: a weakref callback may run at once.
+            for view, off, end in lent:
+                self._watch[off] = _Lent(view, self._give_back, off, end - off)
             self._drain_returned()
-        weakref.finalize(view, self._give_back, off).atexit = False
-        return view
+        return out
 
     def _check_free(self, off: int, end: int) -> None:
         starts = self._lent_starts
@@ -232,28 +283,37 @@ class Ring:
             raise EOFError(msg)
 
     def flush(self) -> None:
-        """Write the releases not written yet (never blocks)."""
+        """Write the releases not written yet, freed arrays' included (never blocks)."""
+        self._drain_returned()
         with self._lock:
             self._write_unsent()
-        self._drain_returned()
+        self._drain_returned(write=True)
 
-    def _give_back(self, off: int) -> None:
-        """The last array on the lent buffer at ``off`` was freed (any thread)."""
-        self._returned.append(off)
-        self._drain_returned()
+    def _give_back(self, ref: _Lent) -> None:
+        """The last array on the lent buffer ``ref`` watched was freed (any
+        thread, maybe inside the garbage collector). Releases are written
+        in batches of ``release_batch`` bytes, and at the latest by the next
+        :meth:`flush` (the supervisor flushes whenever it waits or reads)."""
+        self._returned.append(ref.off)
+        self._returned_bytes += ref.size  # (a lost update only delays a write)
+        if self._returned_bytes >= self.release_batch:
+            self._drain_returned(write=True)
 
-    def _drain_returned(self) -> None:
+    def _drain_returned(self, write: bool = False) -> None:
         while self._returned:
             if not self._lock.acquire(blocking=False):
                 return  # the holder drains the queue once it has released the lock
             try:
+                self._returned_bytes = 0
                 while self._returned:
                     off = self._returned.popleft()
+                    self._watch.pop(off, None)
                     end = self._lent.pop(off)
                     del self._lent_starts[bisect.bisect_left(self._lent_starts, off)]
                     self.lent -= end - off
                     self._queue(off, end)
-                self._write_unsent()
+                if write:
+                    self._write_unsent()
             finally:
                 self._lock.release()
 

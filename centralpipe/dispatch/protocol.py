@@ -31,6 +31,7 @@ instead of reading a torn mix of two items (a seqlock).
 
 from __future__ import annotations
 
+import struct
 import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
@@ -70,6 +71,7 @@ __all__ = [
     "seal_outputs",
     "send",
     "send_encoded",
+    "send_result",
     "status_begin",
     "status_idle",
     "status_stage",
@@ -244,15 +246,55 @@ def send(conn: Connection, obj: Any, ring: RingWriter | None = None) -> None:
     transport.send(conn, obj, ring)
 
 
+# The prefix of a plain result message: run id, stream id, chunk id, elapsed s.
+_PLAIN_RESULT = struct.Struct("<qqqd")
+
+
+def send_result(
+    conn: Connection,
+    run_id: int,
+    stream: int,
+    cid: int,
+    result: ChunkResult,
+    per_item: bool,
+    ring: RingWriter | None = None,
+) -> None:
+    """Write a chunk's ``MSG_RESULT``: with no pickle when its outputs are
+    all plain tensors or arrays already in ``ring`` (one per input, no
+    failure; see :mod:`~centralpipe.dispatch.plain`), else pickled with its
+    outputs sealed (raises whatever pickling raises)."""
+    if ring is not None and not per_item and result.counts is None and not result.failures:
+        prefix = _PLAIN_RESULT.pack(run_id, stream, cid, result.elapsed_s)
+        message = transport.dumps_plain(prefix, result.outputs)
+        if message is not None:
+            transport.write(conn, message, ring)
+            return
+    sealed = seal_outputs(result, per_item)
+    transport.send(conn, (MSG_RESULT, run_id, stream, cid, sealed), ring)
+
+
+def _unplain(obj: Any) -> Any:
+    """A received plain message as the ``MSG_RESULT`` it stands for."""
+    if type(obj) is not transport.Plain:
+        return obj
+    try:
+        run_id, stream, cid, elapsed = _PLAIN_RESULT.unpack(obj.prefix)
+    except struct.error:
+        raise EOFError("a plain message without a result prefix") from None
+    return (MSG_RESULT, run_id, stream, cid, ChunkResult(obj.outputs, None, None, elapsed))
+
+
 def recv(conn: Connection, ring: Ring | None = None) -> Any:
-    """Read one message written by :func:`send` / :func:`send_encoded`
-    (``ring``: the sender's shared-memory ring, see :mod:`~centralpipe.dispatch.shm`)."""
-    return transport.recv(conn, ring)
+    """Read one message written by :func:`send` / :func:`send_encoded` /
+    :func:`send_result` (``ring``: the sender's shared-memory ring, see
+    :mod:`~centralpipe.dispatch.shm`)."""
+    return _unplain(transport.recv(conn, ring))
 
 
 def recv_counted(conn: Connection, ring: Ring | None = None) -> tuple[Any, int]:
     """:func:`recv`, and the bytes the message takes in this process."""
-    return transport.recv_counted(conn, ring)
+    obj, nbytes = transport.recv_counted(conn, ring)
+    return _unplain(obj), nbytes
 
 
 def chunk_message(

@@ -172,9 +172,16 @@ class Session:
                 stage = stream.chain.specs[-1].name if stream.chain.specs else None
                 result = protocol.unseal_outputs(result, stage, stream.dispatch_name)
             stream.stats.items_per_worker[slot.index] += len(chunk.items)
+            sized = stream.stats.bytes_per_item >= 0
             self.held.add(stream, chunk, nbytes)
             chunk.result = stream.accept(chunk, result)
-            self.notify()
+            # Only the head chunk's result is waited for (a result never makes
+            # room, except the first, which tells the stream's size): a later
+            # chunk is found ready by the reader before it waits (``wake`` is
+            # checked under its lock after ``result`` is set), so waking it for
+            # every chunk would only hand the GIL back and forth.
+            if not sized or (stream.pending and stream.pending[0] is chunk):
+                self.notify()
         elif msg[0] == MSG_STATES:
             self.states[slot.index] = msg[1]
             self.notify()

@@ -45,6 +45,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from centralpipe.dispatch import plain
 from centralpipe.dispatch.shm import Ring
 from centralpipe.dispatch.stash import Placed, RingRef, RingWriter, plain_cpu_tensor
 
@@ -58,10 +59,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Message",
+    "Plain",
     "Sealed",
     "Undecodable",
     "copy",
     "dumps",
+    "dumps_plain",
     "loads",
     "recv",
     "recv_counted",
@@ -81,6 +84,10 @@ _BUF = struct.Struct("<QBq")
 _POS_AT = 9  # offset of the ring position in a _BUF entry
 _I64 = struct.Struct("<q")
 _THIS = __name__
+#: In place of the meta length: a message of plain outputs (see ``dispatch.plain``),
+#: whose body is a prefix length (u32), the prefix, then the table (i64 each).
+_PLAIN = 0xFFFFFFFF
+_U32 = struct.Struct("<I")
 
 
 class Message:
@@ -95,6 +102,17 @@ class Message:
     @property
     def nbytes(self) -> int:
         return len(self.head) + sum(b.nbytes for b in self.buffers)
+
+
+class Plain:
+    """What a message made by :func:`dumps_plain` is received as: its prefix
+    (bytes of the sender's own) and the outputs rebuilt on their buffers."""
+
+    __slots__ = ("outputs", "prefix")
+
+    def __init__(self, prefix: bytes, outputs: list[Any]) -> None:
+        self.prefix = prefix
+        self.outputs = outputs
 
 
 class Sealed:
@@ -427,6 +445,31 @@ def dumps(obj: Any) -> Message:
     return Message(head, buffers)
 
 
+def dumps_plain(prefix: bytes, outputs: Any) -> Message | None:
+    """A message of ``outputs`` with no pickle when they are all plain
+    tensors or arrays already in the sender's ring (see
+    :mod:`centralpipe.dispatch.plain`), else ``None``. Sent by :func:`write`
+    like any message; received as a :class:`Plain`."""
+    described = plain.describe(outputs)
+    if described is None:
+        return None
+    table, places = described
+    sizes = b"".join([_BUF.pack(p.nbytes, 0, -1) for p in places])
+    body = struct.pack(f"<I{len(prefix)}s{len(table)}q", len(prefix), prefix, *table)
+    head = _HEAD.pack(_PLAIN, len(places)) + sizes + body
+    return Message(head, places)  # type: ignore[arg-type]
+
+
+def _loads_plain(body: memoryview, buffers: Sequence[Any]) -> Plain:
+    try:
+        (n,) = _U32.unpack_from(body, 0)
+        prefix = bytes(body[4 : 4 + n])
+        table = memoryview(body[4 + n :]).cast("q").tolist()
+    except (struct.error, TypeError, ValueError) as exc:
+        raise EOFError(f"a damaged plain message: {exc}") from None
+    return Plain(prefix, plain.rebuild(table, list(buffers)))
+
+
 def _view(data: Any) -> memoryview:
     tensor = _tensor_class()
     if tensor is not None and isinstance(data, tensor):
@@ -441,12 +484,13 @@ def _bytes(data: Any) -> bytes:
 def _parse(head: Any) -> tuple[memoryview, list[tuple[int, bool, int]], int]:
     view = memoryview(head)
     _, count = _HEAD.unpack_from(view, 0)
-    pos = _HEAD.size
-    sizes = []
-    for _ in range(count):
-        size, ro, where = _BUF.unpack_from(view, pos)
-        sizes.append((size, bool(ro), where))
-        pos += _BUF.size
+    pos = _HEAD.size + count * _BUF.size
+    try:
+        sizes = [
+            (size, bool(ro), where) for size, ro, where in _BUF.iter_unpack(view[_HEAD.size : pos])
+        ]
+    except struct.error as exc:
+        raise EOFError(f"a damaged message header: {exc}") from None
     return view, sizes, pos
 
 
@@ -460,6 +504,8 @@ def loads(head: Any, buffers: Sequence[Any]) -> Any:
     and become the memory of the objects rebuilt on them."""
     view, sizes, pos = _parse(head)
     meta_len = _HEAD.unpack_from(view, 0)[0]
+    if meta_len == _PLAIN:
+        return _loads_plain(view[pos:], buffers)
     regions: list[_Loaded] = []
     sealed: list[tuple[bytes, list[Any]]] = []
     n_pickle = len(sizes)
@@ -540,14 +586,16 @@ def recv_counted(conn: Connection, ring: Ring | None = None) -> tuple[Any, int]:
     """:func:`recv`, and the bytes the message takes in this process (header
     and buffers, from the ring or the pipe)."""
     head = conn.recv_bytes()
-    buffers = []
+    buffers: list[Any] = []
     nbytes = len(head)
+    at: list[int] = []  # indexes of the buffers in the ring, taken together
+    spans: list[tuple[int, int]] = []
     for size, _, where in _parse(head)[1]:
         nbytes += size
         if where >= 0:
-            if ring is None:
-                raise EOFError("a message refers to a shared-memory ring this pipe does not have")
-            buffers.append(ring.take(where, size))  # lent, or copied and released
+            at.append(len(buffers))
+            spans.append((where, size))
+            buffers.append(None)
             continue
         buf = bytearray(size)
         if size:
@@ -557,6 +605,11 @@ def recv_counted(conn: Connection, ring: Ring | None = None) -> tuple[Any, int]:
         buffers.append(buf)
         if ring is not None:
             ring.pipe_bytes += size
+    if spans:
+        if ring is None:
+            raise EOFError("a message refers to a shared-memory ring this pipe does not have")
+        for k, buf in zip(at, ring.take_many(spans)):  # lent, or copied and released
+            buffers[k] = buf
     if ring is not None:
         ring.flush()  # the releases of buffers copied out
     return loads(head, buffers), nbytes

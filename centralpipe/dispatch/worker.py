@@ -267,12 +267,11 @@ def _send_result(
 ) -> bool:
     """Send a result; outputs that cannot be pickled become failures of the
     last worker stage. False when the main process is gone."""
-    if isinstance(result.outputs, protocol.Undecodable):
-        sealed = result
-    else:
-        sealed = protocol.seal_outputs(result, per_item)
     try:
-        protocol.send(conn, (MSG_RESULT, run_id, stream, cid, sealed), ring)
+        if isinstance(result.outputs, protocol.Undecodable):
+            protocol.send(conn, (MSG_RESULT, run_id, stream, cid, result), ring)
+        else:
+            protocol.send_result(conn, run_id, stream, cid, result, per_item, ring)
         return True
     except (OSError, EOFError):
         return False

@@ -17,7 +17,7 @@ from typing import Any, Generic, TypeVar
 
 from centralpipe import checkpoint, metrics, resume
 from centralpipe.config import LoaderConfig
-from centralpipe.dispatch.boundary import Policy, Run, StreamPlan, idle_worker_states
+from centralpipe.dispatch.boundary import Policy, Run, StreamPlan, WarmStart, idle_worker_states
 from centralpipe.dispatch.chain import WorkerChain
 from centralpipe.dispatch.guard import hold
 from centralpipe.dispatch.pinning import make_pinner
@@ -199,7 +199,8 @@ class Loader(Generic[T]):
             buffer_bytes=w.buffer_bytes,
         )
         pooled = self._pooled()
-        executor = self._ensure_pool() if pooled else None
+        warm = self._warm_start() if pooled else None
+        executor = self._ensure_pool() if pooled and warm is None else None
         if pooled:
             self._run_ids += 1
         return Run(
@@ -219,7 +220,28 @@ class Loader(Generic[T]):
             delivered=delivered,
             pinner=self._res.pinner,
             chain_lock=self._res.chain_lock,
+            warm=warm,
         )
+
+    def _warm_start(self) -> WarmStart | None:
+        """Run the first chunks inline while the workers start in the
+        background (``dispatch.warm``), or ``None``: use the pool at once
+        (waiting for it). Not with ``timeout_s`` (an item hung inline could
+        not be stopped) nor stateful worker stages (their state would be
+        split between this process and the workers)."""
+        w, starter = self._config.workers, self._res.starter
+        if starter is None or not w.start_inline or w.timeout_s is not None:
+            return None
+        if any(c.stateful for c in [self._chain, *self._segment_chains]):
+            return None
+        if starter.workers_ready():
+            return None
+        return WarmStart(self._workers_ready, self._ensure_pool, w.num_workers)
+
+    def _workers_ready(self) -> bool:
+        """The background start no longer needs waiting for (or was taken)."""
+        starter = self._res.starter
+        return starter is None or starter.workers_ready()
 
     def _pooled(self) -> bool:
         """Whether passes run worker stages on a pool of workers."""

@@ -61,6 +61,7 @@ def collect(
         "skipped": s.skipped + sum(seg.skipped for seg in segment_stats.values()),
         "restarts": s.restarts,
         "items_per_worker": list(s.items_per_worker),
+        "inline_items": s.inline_items,
         "wait_workers_s": s.wait_workers_s,
         "wait_central_s": s.wait_central_s,
     }

@@ -28,10 +28,14 @@ def _double(x: int) -> int:
     return 2 * x
 
 
-def _loader(method: str, n: int = 12, workers: int = 2) -> cp.Loader[int]:
+def _loader(
+    method: str, n: int = 12, workers: int = 2, start_inline: bool = True
+) -> cp.Loader[int]:
     pipe = cp.Pipeline.from_iterable(range(n)).dispatch().map(_double)
     config = cp.LoaderConfig(
-        workers=cp.WorkerConfig(num_workers=workers, start_method=method, chunk_size=2)
+        workers=cp.WorkerConfig(
+            num_workers=workers, start_method=method, chunk_size=2, start_inline=start_inline
+        )
     )
     return cp.Loader(pipe, config)
 
@@ -139,7 +143,8 @@ def test_failed_background_start_is_raised_by_the_first_pass(
 ) -> None:
     """A worker start that fails in the background raises at the first next(),
     saying where it happened; nothing is left running, the epoch is not
-    started, and the next pass starts the workers afresh."""
+    started, and the next pass starts the workers afresh. (Without the inline
+    warm start; with it, see test_warm_start.)"""
     real = ProcessPool._start
 
     def failing_start(self: ProcessPool, slot: Any) -> None:
@@ -148,7 +153,7 @@ def test_failed_background_start_is_raised_by_the_first_pass(
         real(self, slot)
 
     monkeypatch.setattr(ProcessPool, "_start", failing_start)
-    with _loader("forkserver") as loader:
+    with _loader("forkserver", start_inline=False) as loader:
         pool = loader._res.starter.pool  # type: ignore[union-attr]
         with pytest.raises(OSError, match="Too many open files") as info:
             next(iter(loader))
@@ -170,10 +175,13 @@ def test_fork_workers_start_at_the_first_pass() -> None:
 
 def test_late_torch_import_still_limits_its_threads() -> None:
     """A worker that needs no torch at start, whose function imports torch
-    itself, gets torch's threads limited from its next message on."""
+    itself, gets torch's threads limited from its next message on (every
+    item on the worker: no inline warm start)."""
     pipe = cp.Pipeline.from_iterable(range(6)).dispatch().map(startup_fns.torch_threads)
     config = cp.LoaderConfig(
-        workers=cp.WorkerConfig(num_workers=1, start_method="spawn", chunk_size=1)
+        workers=cp.WorkerConfig(
+            num_workers=1, start_method="spawn", chunk_size=1, start_inline=False
+        )
     )
     with cp.Loader(pipe, config) as loader:
         threads = list(loader)

@@ -19,12 +19,13 @@ from typing import Any
 from centralpipe.dispatch.chain import WorkerChain
 from centralpipe.dispatch.pool import Executor
 from centralpipe.dispatch.protocol import InFlight
-from centralpipe.dispatch.reorder import Stamper, Stream, StreamStats
+from centralpipe.dispatch.reorder import Driver, Stamper, Stream, StreamStats
 from centralpipe.dispatch.sender import FeederDriver, InlineDriver, SegmentDriver
 from centralpipe.dispatch.supervisor import Policy, Session
+from centralpipe.dispatch.warm import WarmDriver, WarmStart
 from centralpipe.stages import CentralNode, Parallel, Shard
 
-__all__ = ["Policy", "Run", "StreamPlan", "empty_segment_entry", "idle_worker_states"]
+__all__ = ["Policy", "Run", "StreamPlan", "WarmStart", "empty_segment_entry", "idle_worker_states"]
 
 
 class StreamPlan:
@@ -63,11 +64,17 @@ class Run:
         delivered: int = 0,
         pinner: Any = None,
         chain_lock: threading.Lock | None = None,
+        warm: WarmStart | None = None,
     ) -> None:
         self.nodes = list(nodes)
         self.segments = [n for n in nodes if isinstance(n, Parallel)]
-        self.session = None if executor is None else Session(executor, run_id, policy, stats)
-        parallelism = 1 if executor is None else len(executor.slots)
+        self.session: Session | None = None
+        self.feeder: FeederDriver | None = None
+        self._policy, self._run_id, self._stats = policy, run_id, stats
+        if executor is not None:
+            parallelism = len(executor.slots)
+        else:
+            parallelism = 1 if warm is None else warm.num_workers
         common: dict[str, Any] = {
             "epoch": epoch,
             "buffer_size": buffer_size,
@@ -92,11 +99,7 @@ class Run:
                 stream_id=i,
                 **common,
             )
-            stream.driver = (
-                InlineDriver(stream)
-                if self.session is None
-                else SegmentDriver(stream, self.session)
-            )
+            stream.driver = InlineDriver(stream)
             self.segment_streams.append(stream)
         plan = plans.get(dispatch_name, StreamPlan())
         self.stream = Stream(
@@ -115,19 +118,61 @@ class Run:
             **common,
         )
         self.stream.pinner = pinner
-        self.feeder: FeederDriver | None = None
-        if self.session is not None and chain.specs:
-            self.feeder = FeederDriver(self.stream, self.session)
-            self.stream.driver = self.feeder
+        if executor is not None:
+            self.session = self._new_session(executor)
+            self._wire(self.session)
+            self.stream.driver = self._pool_driver()
+        elif warm is not None:
+            # The workers are still starting: run inline until they are ready.
+            self.stream.driver = WarmDriver(self, warm)
         else:
-            # No worker stages after the boundary: the consumer's thread runs
-            # the central chain (parallel stages still use the workers).
-            self.stream.driver = InlineDriver(self.stream, on_stop=self._stop_session)
-        if self.session is not None:
-            self.session.streams = [*self.segment_streams, self.stream]
-            self.session.held.streams = self.session.streams
-            for stream in self.session.streams:
-                stream.held = self.session.held
+            self.stream.driver = InlineDriver(self.stream, on_stop=self.stop_session)
+
+    def _new_session(self, executor: Executor) -> Session:
+        session = Session(executor, self._run_id, self._policy, self._stats)
+        session.streams = [*self.segment_streams, self.stream]
+        session.held.streams = session.streams
+        return session
+
+    def _wire(self, session: Session) -> None:
+        """Have every stream run over ``session``'s workers (no thread starts)."""
+        for stream in session.streams:
+            stream.held = session.held
+        for stream in self.segment_streams:
+            stream.driver = SegmentDriver(stream, session)
+        if self.stream.chain.specs and self.feeder is None:
+            self.feeder = FeederDriver(self.stream, session)
+
+    def _pool_driver(self) -> Driver:
+        """The dispatch stream's driver over the workers: the feeder, or
+        without worker stages after the boundary the consumer's thread
+        (parallel stages still use the workers)."""
+        if self.feeder is not None:
+            return self.feeder
+        return InlineDriver(self.stream, on_stop=self.stop_session)
+
+    def hand_over(self, executor: Executor) -> None:
+        """Warm start (``dispatch.warm``): the workers are ready; from the
+        next chunk on, they run the worker stages. In the consumer's thread,
+        at a chunk boundary (every pending chunk has its result). Each step
+        can be repeated: a hand-over cut short is finished by the next call,
+        and :meth:`stop` ends whatever it started."""
+        session = self.session
+        if session is None:
+            session = self.session = self._new_session(executor)
+        if not session.launched:
+            session.start()
+        for stream in session.streams:
+            with stream.lock:
+                for chunk in stream.pending:
+                    if chunk.sent_gen < 0 and chunk.held_bytes == 0:
+                        chunk.held_bytes = -1  # run inline: holds no bytes of a worker's
+        self._wire(session)
+        if self.feeder is not None and not self.feeder.launched:
+            self.feeder.start()
+        # Last: until here the stream's driver is the warm one, which
+        # finishes a hand-over cut short.
+        self.stream.driver = self._pool_driver()
 
     def start(self) -> None:
         """Start the supervisor and the feeder (nothing starts before this).
@@ -197,8 +242,11 @@ class Run:
 
     # -- stopping ----------------------------------------------------------------
 
-    def _stop_session(self) -> None:
-        if self.session is not None:
+    def stop_session(self) -> None:
+        """Stop the session (and the feeder, waited for first); bounded."""
+        if self.feeder is not None:
+            self.feeder.stop()
+        elif self.session is not None:
             self.session.stop()
 
     def abandon(self) -> None:
@@ -220,7 +268,7 @@ class Run:
         streams = [*self.segment_streams, self.stream]
         for stream in streams:
             stream.stop()
-        self._stop_session()
+        self.stop_session()
 
 
 def idle_worker_states(pool: Executor, stats: StreamStats) -> list[dict[str, Any]]:

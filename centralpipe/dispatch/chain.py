@@ -182,6 +182,11 @@ class WorkerChain:
         rng.manual_seed(derive_seed(self.seed, epoch, seq, stage))
         return rng
 
+    @property
+    def stateful(self) -> bool:
+        """Some stage's callable keeps state (``worker_states()`` reads it)."""
+        return any(is_stateful(fn) for _, _, fn, _ in self._stages)
+
     def states(self) -> dict[str, Any]:
         """``state_dict()`` of each stateful worker-stage callable, by stage name."""
         return {name: fn.state_dict() for _, name, fn, _ in self._stages if is_stateful(fn)}

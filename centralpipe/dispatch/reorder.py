@@ -105,6 +105,9 @@ class StreamStats:
         self.wait_workers_s = 0.0
         self.wait_central_s = 0.0
         self.items_per_worker = [0] * num_slots
+        #: Items whose worker stages the main process ran while the workers
+        #: started (``dispatch.warm``).
+        self.inline_items = 0
         self.chunk_size = FIRST_CHUNK
 
 

@@ -23,8 +23,9 @@ one starts the workers afresh.
 from __future__ import annotations
 
 import threading
+from multiprocessing.connection import wait
 
-from centralpipe.dispatch.pool import Executor
+from centralpipe.dispatch.pool import Executor, Slot
 
 __all__ = ["BACKGROUND_METHODS", "BackgroundStart"]
 
@@ -54,6 +55,17 @@ class BackgroundStart:
     def done(self) -> bool:
         return not self._thread.is_alive()
 
+    def workers_ready(self) -> bool:
+        """The start is over and every worker got to its receive loop (or
+        died: the run's supervisor replaces it), or the start failed: either
+        way :meth:`result` no longer waits. With ``spawn`` a worker process
+        exists long before it is ready (it imports what it needs first)."""
+        if not self.done():
+            return False
+        if self.error is not None:
+            return True
+        return all(slot.ready() or not _alive(slot) for slot in self.pool.slots)
+
     def result(self) -> Executor:
         """The started executor, once every worker has started (waits for the
         thread); the start's error, if it failed, with the pool closed."""
@@ -76,3 +88,15 @@ class BackgroundStart:
         # Past the timeout the thread is still inside one worker's start: the
         # pool's pipe ends close here, so that worker exits on its own.
         self.pool.close()
+
+
+def _alive(slot: Slot) -> bool:
+    """The slot's worker process runs (read from its sentinel, which no
+    other thread waits on before the run's supervisor starts)."""
+    proc = slot.process
+    if proc is None:
+        return False
+    try:
+        return not wait([proc.sentinel], 0)
+    except (ValueError, OSError):  # closed
+        return False

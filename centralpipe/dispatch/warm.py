@@ -1,0 +1,106 @@
+"""Inline warm start: the main process runs the first chunks while the workers start.
+
+A ``forkserver`` or ``spawn`` pool starts in the background when the Loader
+is created (:mod:`centralpipe.dispatch.starter`), but its workers may need a
+second or more (a forkserver importing torch, each spawned worker importing
+it). A pass that begins before they are ready does not wait for them: a
+:class:`WarmDriver` runs the dispatch stream exactly as ``num_workers=0``
+does (:class:`~centralpipe.dispatch.sender.InlineDriver`: the consumer pulls
+a chunk, runs the worker stages over a copy of its items, the same seeds,
+``on_error`` and skipped counts), and parallel central stages inline too.
+Output, order and checkpoints are those of any ``num_workers``: the worker
+stages depend only on ``(item, seed, epoch, seq)``, and a checkpoint is the
+central states plus the pending chunks, whoever runs them.
+
+Before each chunk it asks whether every worker is ready (a thread-liveness
+check and a read of each worker's status: microseconds). Chunks aim at
+``TARGET_CHUNK_S`` of work (``dispatch.pull``), so the main process stops
+running items within about one chunk of the workers being up. Then it
+*hands over* (:meth:`~centralpipe.dispatch.boundary.Run.hand_over`), in the
+consumer's thread, at a chunk boundary: no chunk is half run (a chunk a
+Ctrl-C cut short is run inline first, so nothing pending lacks a result),
+the session's supervisor starts, parallel stages switch to their
+:class:`~centralpipe.dispatch.sender.SegmentDriver` and the feeder thread
+starts pulling and sending; the chunks already run inline are delivered
+first, in order. Every step of the hand-over can be repeated, so a Ctrl-C
+anywhere in it is raised at once and the next ``next()`` finishes it. A
+background start that failed is raised there, with its note; the next
+``next()`` starts the workers again (waiting for them) and goes on.
+
+Until then no thread of the run exists: no feeder or supervisor to starve.
+Inline items lose a worker's isolation, which is why the Loader only warms
+up this way when ``WorkerConfig.start_inline`` is on, ``timeout_s`` is not
+set, no worker stage is stateful, and the start method is ``forkserver``
+or ``spawn`` (``fork`` workers start in milliseconds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from centralpipe.dispatch.pool import Executor
+from centralpipe.dispatch.protocol import Chunk
+from centralpipe.dispatch.reorder import Driver
+from centralpipe.dispatch.sender import InlineDriver
+
+if TYPE_CHECKING:
+    from centralpipe.dispatch.boundary import Run
+
+__all__ = ["WarmDriver", "WarmStart"]
+
+
+class WarmStart:
+    """Where a warm run finds its workers: ``ready()`` says whether they are
+    all up (or failed: then ``acquire`` raises), ``acquire()`` returns the
+    started executor (or raises the start's error) without waiting once
+    ``ready()`` is true; ``num_workers`` sizes the chunks as for the pool."""
+
+    def __init__(
+        self, ready: Callable[[], bool], acquire: Callable[[], Executor], num_workers: int
+    ) -> None:
+        self.ready = ready
+        self.acquire = acquire
+        self.num_workers = num_workers
+
+
+class WarmDriver(Driver):
+    """The dispatch stream's driver while the workers start; see the module
+    docstring. Once handed over, the stream's driver is the pool's and this
+    one only finishes the call in progress."""
+
+    def __init__(self, run: Run, warm: WarmStart) -> None:
+        self.run = run
+        self.warm = warm
+        self.inline = InlineDriver(run.stream)
+        #: The hand-over began: it is finished (never undone) by the next call.
+        self.handing_over = False
+        #: Chunks up to this id are counted in ``inline_items``.
+        self._counted = -1
+
+    def wait_head(self) -> Chunk | None:
+        s = self.run.stream
+        if self.handing_over or (self._settled() and self.warm.ready()):
+            self.handing_over = True
+            self.run.hand_over(self.warm.acquire())
+            driver = s.driver
+            assert driver is not None and driver is not self
+            return driver.wait_head()
+        chunk = self.inline.wait_head()
+        if chunk is not None and chunk.cid > self._counted:
+            self._counted = chunk.cid
+            s.stats.inline_items += len(chunk.items)
+        return chunk
+
+    def _settled(self) -> bool:
+        """Every pending chunk of the dispatch stream has its result (none
+        was cut short while run inline)."""
+        s = self.run.stream
+        with s.lock:
+            return all(chunk.result is not None for chunk in s.pending)
+
+    def stop(self) -> None:
+        self.run.stop_session()
+
+    def worker_states(self) -> list[Any] | None:
+        return None

@@ -172,6 +172,10 @@ def run(
         res.cold_torch = bench_transport.measure_cold_epoch(
             spin.iterations, 4_000 // scale, COLD_WORKERS, start_method, "torch module"
         )
+        _log("cpu: the same, the first next() waiting for the workers (start_inline=False)")
+        res.cold_torch_wait = bench_transport.measure_cold_epoch(
+            spin.iterations, 4_000 // scale, COLD_WORKERS, start_method, bench_transport.NO_INLINE
+        )
     if method == "forkserver":
         # The server starts once per process; the first loader pays it. Start
         # it here so every cell measures the same thing. `inc`'s module

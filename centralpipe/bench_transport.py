@@ -44,16 +44,25 @@ FUNCTIONS = {
     "no torch": "builtins:abs",
     "torch module": "centralpipe.bench_workloads:inc",
     "torch module, server without torch": "centralpipe.bench_workloads:inc",
+    "torch module, start_inline=False": "centralpipe.bench_workloads:inc",
 }
 #: The option that keeps torch out of the forkserver.
 NO_TORCH_IN_SERVER = "torch module, server without torch"
+#: The first ``next()`` waits for the workers (no inline warm start, ``dispatch.warm``).
+NO_INLINE = "torch module, start_inline=False"
+#: How the child process runs each function's Loader (see ``_CHILD``).
+MODES = {NO_TORCH_IN_SERVER: "light", NO_INLINE: "wait"}
 #: Start methods measured with each function (fork shares the caller's torch
 #: either way; spawn has no server).
 FUNCTION_METHODS = {
     "no torch": ("fork", "forkserver", "spawn"),
     "torch module": ("forkserver", "spawn"),
     NO_TORCH_IN_SERVER: ("forkserver",),
+    NO_INLINE: ("forkserver", "spawn"),
 }
+#: The variants that are options, not what a user gets by default: reported,
+#: not targets.
+OPTIONS = (NO_TORCH_IN_SERVER, NO_INLINE)
 
 _CHILD = """
 import importlib, sys, time
@@ -66,12 +75,14 @@ def main():
         from centralpipe.dispatch import preload
 
         preload.needs_torch = lambda specs: False
+    inline = sys.argv[4] != "wait"
     module, name = where.split(":")
     fn = getattr(importlib.import_module(module), name)
     out = []
     for _ in range(2):
         pipe = cp.Pipeline.from_iterable(range(8)).dispatch().map(fn)
-        config = cp.LoaderConfig(workers=cp.WorkerConfig(num_workers=2, start_method=method))
+        workers = cp.WorkerConfig(num_workers=2, start_method=method, start_inline=inline)
+        config = cp.LoaderConfig(workers=workers)
         loader = cp.Loader(pipe, config)
         deadline = time.perf_counter() + gap
         while time.perf_counter() < deadline:  # busy, as model building is
@@ -96,14 +107,17 @@ from centralpipe.bench_workloads import SpinBesideTorch
 
 def main():
     method = None if sys.argv[1] == "default" else sys.argv[1]
-    kind = SpinBesideTorch if sys.argv[5] == "torch module" else Spin
+    kind = Spin if sys.argv[5] == "no torch" else SpinBesideTorch
+    inline = sys.argv[5] != "torch module, start_inline=False"
     spin, n, workers = kind(int(sys.argv[2])), int(sys.argv[3]), int(sys.argv[4])
     t0 = time.perf_counter()
     for i in range(n):
         spin(i)
     serial = time.perf_counter() - t0
     pipe = cp.Pipeline.from_iterable(range(n)).dispatch().map(spin)
-    config = cp.LoaderConfig(workers=cp.WorkerConfig(num_workers=workers, start_method=method))
+    config = cp.LoaderConfig(
+        workers=cp.WorkerConfig(num_workers=workers, start_method=method, start_inline=inline)
+    )
     t0 = time.perf_counter()
     with cp.Loader(pipe, config) as loader:
         it = iter(loader)
@@ -111,8 +125,9 @@ def main():
         first = time.perf_counter() - t0
         count = 1 + sum(1 for _ in it)
         total = time.perf_counter() - t0
+        inline = loader.metrics()["dispatch"]["inline_items"]
     assert count == n, count
-    print(serial, first, total)
+    print(serial, first, total, inline)
 
 if __name__ == "__main__":
     main()
@@ -129,6 +144,8 @@ class ColdEpoch(NamedTuple):
     total_s: float
     #: A key of ``FUNCTIONS``: where the function's class lives.
     fn: str = "no torch"
+    #: Items the main process ran while the workers started (-1: not known).
+    inline_items: int = -1
 
 
 def measure_cold_epoch(
@@ -145,8 +162,8 @@ def measure_cold_epoch(
         timeout=600,
         check=True,
     )
-    serial, first, total = (float(x) for x in done.stdout.split())
-    return ColdEpoch(n, workers, serial, first, total, fn)
+    serial, first, total, inline = done.stdout.split()
+    return ColdEpoch(n, workers, float(serial), float(first), float(total), fn, int(inline))
 
 
 def cold_lines(*colds: ColdEpoch | None) -> list[str]:
@@ -162,15 +179,19 @@ def cold_lines(*colds: ColdEpoch | None) -> list[str]:
         f"through its first Loader with {first.workers} workers, timed from creating the "
         "Loader to the last item (forkserver and worker start-up included). function: "
         "from a module that needs no torch (the `cpu` workload), or the same from a "
-        "module that imports torch (the forkserver then preloads torch).",
+        "module that imports torch (the forkserver then preloads torch), and that one "
+        "with start_inline=False (no inline warm start: the first item waits for the "
+        "workers).",
         "",
-        "| function | serial s | centralpipe s | / serial | start-up (first item) ms |",
-        "|---|--:|--:|--:|--:|",
+        "| function | serial s | centralpipe s | / serial | start-up (first item) ms "
+        "| items run inline |",
+        "|---|--:|--:|--:|--:|--:|",
     ]
     for cold in rows:
+        inline = f"{cold.inline_items:,}" if cold.inline_items >= 0 else "-"
         lines.append(
             f"| {cold.fn} | {cold.serial_s:.2f} | {cold.total_s:.2f} "
-            f"| {cold.serial_s / cold.total_s:.2f}x | {cold.first_s * 1e3:.0f} |"
+            f"| {cold.serial_s / cold.total_s:.2f}x | {cold.first_s * 1e3:.0f} | {inline} |"
         )
     return lines
 
@@ -179,10 +200,11 @@ def cold_targets(cold: ColdEpoch | None) -> list[tuple[str, str, bool]]:
     if cold is None:
         return []
     r = cold.serial_s / cold.total_s
+    fn = "" if cold.fn == "no torch" else f" ({cold.fn})"
     return [
         (
             f"cpu, {cold.workers} workers, a process's first Loader, whole epoch incl. "
-            "start-up: >= 1.3x serial",
+            f"start-up: >= 1.3x serial{fn}",
             f"{r:.2f}x (start-up {cold.first_s * 1e3:.0f} ms)",
             r >= 1.3,
         )
@@ -198,7 +220,7 @@ def measure_startup(methods: Sequence[str], gaps_s: Sequence[float] = GAPS_S) ->
     out: Startup = {}
     for method in methods:
         for fn in [f for f in FUNCTIONS if method in FUNCTION_METHODS[f]]:
-            server = "light" if fn == NO_TORCH_IN_SERVER else "auto"
+            server = MODES.get(fn, "auto")
             for gap in gaps_s:
                 done = subprocess.run(
                     [sys.executable, "-c", _CHILD, method, str(gap), FUNCTIONS[fn], server],
@@ -228,7 +250,9 @@ def report_lines(startup: Startup) -> list[str]:
         "first Loader, then a second one. Gap: CPU work between `Loader(...)` and `iter()`. "
         "function: `abs` (its workers need no torch), or `bench_workloads.inc` (its module "
         "imports torch: the forkserver preloads torch; 'server without torch': it is told "
-        "not to, and each worker imports torch).",
+        "not to, and each worker imports torch). While the workers start, the main process "
+        "runs the first chunks itself (the inline warm start, on by default; "
+        "'start_inline=False': the first item waits for the workers).",
         "",
         "| start method | function | gap s | first Loader ms | later Loader ms |",
         "|---|---|--:|--:|--:|",
@@ -239,25 +263,20 @@ def report_lines(startup: Startup) -> list[str]:
 
 
 def targets(startup: Startup) -> list[tuple[str, str, bool]]:
+    """Issue 10 item 4, for a process's first Loader with every start method
+    and both functions as a user gets them (the options in ``OPTIONS`` are
+    reported, not judged): the first item within 150 ms of ``iter()`` after
+    1.5 s of other work, and within 1.5 s with no gap."""
     out = []
-    for fn in ("no torch", "torch module"):
-        after = startup.get(("forkserver", fn, GAPS_S[-1]))
-        if after is not None:
-            out.append(
-                (
-                    f"first item, first Loader, forkserver, {fn}, after {GAPS_S[-1]:g} s of "
-                    "work: <= 150 ms",
-                    f"{after[0] * 1e3:.0f} ms",
-                    after[0] <= FIRST_ITEM_AFTER_GAP_S,
-                )
-            )
-        cold = startup.get(("forkserver", fn, GAPS_S[0]))
-        if cold is not None:
-            out.append(
-                (
-                    f"first item, first Loader, forkserver, {fn}, no gap: <= 1.5 s",
-                    f"{cold[0] * 1e3:.0f} ms",
-                    cold[0] <= FIRST_ITEM_ANY_S,
-                )
-            )
+    for (method, fn, gap), (first, _) in startup.items():
+        if fn in OPTIONS:
+            continue
+        if gap == GAPS_S[-1]:
+            label, bound = f"after {gap:g} s of work: <= 150 ms", FIRST_ITEM_AFTER_GAP_S
+        elif gap == GAPS_S[0]:
+            label, bound = "no gap: <= 1.5 s", FIRST_ITEM_ANY_S
+        else:
+            continue
+        name = f"first item, first Loader, {method}, {fn}, {label}"
+        out.append((name, f"{first * 1e3:.0f} ms", first <= bound))
     return out

@@ -43,7 +43,10 @@ def main() -> None:
     os.environ["ORPHAN_MODE"] = mode
     pipe = cp.Pipeline.from_iterable(range(4)).dispatch().map(busy)
     config = cp.LoaderConfig(
-        workers=cp.WorkerConfig(num_workers=1, start_method=start_method, chunk_size=1)
+        # Item 0 must run in the worker, not inline while a forkserver starts.
+        workers=cp.WorkerConfig(
+            num_workers=1, start_method=start_method, chunk_size=1, start_inline=False
+        )
     )
     loader = cp.Loader(pipe, config)
     if mode == "gil":

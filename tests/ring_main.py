@@ -17,7 +17,10 @@ from tests.ring_faults import tensor_of
 
 def main() -> None:
     pipe = cp.Pipeline.from_iterable(range(100_000)).dispatch().map(tensor_of)
-    workers = cp.WorkerConfig(num_workers=2, start_method=sys.argv[1], chunk_size=4)
+    # Results through the rings: none run inline while a forkserver starts.
+    workers = cp.WorkerConfig(
+        num_workers=2, start_method=sys.argv[1], chunk_size=4, start_inline=False
+    )
     loader = cp.Loader(pipe, cp.LoaderConfig(workers=workers))
     for i, t in enumerate(loader):
         assert float(t[0]) == i and float(t[-1]) == i

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from centralpipe import bench, bench_report, bench_transport
-from centralpipe.bench_transport import FUNCTIONS, NO_TORCH_IN_SERVER
+from centralpipe.bench_transport import FUNCTIONS, NO_INLINE, NO_TORCH_IN_SERVER
 
 
 def test_startup_child_times_a_first_and_a_later_loader() -> None:
@@ -26,10 +26,13 @@ def test_startup_child_times_a_first_and_a_later_loader() -> None:
 
 
 def test_startup_rows_and_targets() -> None:
-    """Each (method, function, gap) gets a row; the forkserver's first Loader
-    gets the 150 ms and 1.5 s targets for both functions, judged as stated."""
+    """Each (method, function, gap) gets a row; every start method's first
+    Loader gets the 150 ms and 1.5 s targets for both functions as a user
+    gets them, judged as stated; the options are reported, not judged."""
     startup = {
         ("fork", "no torch", 0.0): (0.02, 0.01),
+        ("spawn", "torch module", 1.5): (0.1, 0.2),
+        ("forkserver", NO_INLINE, 0.0): (2.0, 0.03),
         ("forkserver", "no torch", 0.0): (0.6, 0.03),
         ("forkserver", "no torch", 1.5): (0.004, 0.003),
         ("forkserver", "torch module", 0.0): (2.0, 0.03),
@@ -41,6 +44,8 @@ def test_startup_rows_and_targets() -> None:
     assert f"| forkserver | {NO_TORCH_IN_SERVER} | 1.5 | 900 | 800 |" in lines
     got = {name: ok for name, _, ok in bench_transport.targets(startup)}
     assert got == {
+        "first item, first Loader, fork, no torch, no gap: <= 1.5 s": True,
+        "first item, first Loader, spawn, torch module, after 1.5 s of work: <= 150 ms": True,
         "first item, first Loader, forkserver, no torch, after 1.5 s of work: <= 150 ms": True,
         "first item, first Loader, forkserver, no torch, no gap: <= 1.5 s": True,
         "first item, first Loader, forkserver, torch module, after 1.5 s of work: <= 150 ms": (
@@ -52,16 +57,21 @@ def test_startup_rows_and_targets() -> None:
 
 
 def test_cold_epoch_rows_for_both_functions() -> None:
-    """The cold cpu epoch reports the torch-free function and the torch module's;
-    the target row is the torch-free one (the `cpu` workload)."""
+    """The cold cpu epoch reports the torch-free function, the torch module's
+    and that one without the inline warm start; both defaults are targets."""
     res = bench.Results()
     res.cold = bench_transport.ColdEpoch(4000, 2, serial_s=4.0, first_s=0.2, total_s=2.5)
     res.cold_torch = bench_transport.ColdEpoch(
-        4000, 2, serial_s=4.0, first_s=1.2, total_s=3.5, fn="torch module"
+        4000, 2, serial_s=4.0, first_s=0.01, total_s=3.5, fn="torch module", inline_items=900
+    )
+    res.cold_torch_wait = bench_transport.ColdEpoch(
+        4000, 2, serial_s=4.0, first_s=1.2, total_s=3.9, fn=NO_INLINE, inline_items=0
     )
     text = bench.report(res)
-    assert "| no torch | 4.00 | 2.50 | 1.60x | 200 |" in text
-    assert "| torch module | 4.00 | 3.50 | 1.14x | 1200 |" in text
+    assert "| no torch | 4.00 | 2.50 | 1.60x | 200 | - |" in text
+    assert "| torch module | 4.00 | 3.50 | 1.14x | 10 | 900 |" in text
+    assert f"| {NO_INLINE} | 4.00 | 3.90 | 1.03x | 1200 | 0 |" in text
     got = {name: ok for name, _, ok in bench_report._targets(res)}
-    (cold,) = [k for k in got if k.startswith("cpu, 2 workers, a process's first Loader")]
-    assert got[cold] is True
+    cold = [k for k in got if k.startswith("cpu, 2 workers, a process's first Loader")]
+    assert [got[k] for k in cold] == [True, False]
+    assert "(torch module)" in cold[1]

@@ -23,6 +23,9 @@ N = 120
 
 def _loader(fn: Any, *, n: int = N, workers: int = 2, **kw: Any) -> cp.Loader[Any]:
     kw.setdefault("start_method", "fork")
+    # Worker isolation is under test: every item runs in a worker, none in
+    # the main process while a forkserver pool starts (no inline warm start).
+    kw.setdefault("start_inline", False)
     cfg = cp.LoaderConfig(workers=cp.WorkerConfig(num_workers=workers, **kw))
     return cp.Loader(cp.Pipeline.from_iterable(range(n)).dispatch().map(fn), cfg)
 
@@ -279,7 +282,8 @@ import centralpipe as cp
 from tests import faulty
 
 def main():
-    cfg = cp.LoaderConfig(workers=cp.WorkerConfig(num_workers=2, start_method=sys.argv[1]))
+    workers = cp.WorkerConfig(num_workers=2, start_method=sys.argv[1], start_inline=False)
+    cfg = cp.LoaderConfig(workers=workers)
     pipe = cp.Pipeline.from_iterable(range(10**6)).dispatch().map(faulty.slow_identity)
     loader = cp.Loader(pipe, cfg)
     it = iter(loader)

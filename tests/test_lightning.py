@@ -127,7 +127,10 @@ def test_probe_iter_starts_nothing() -> None:
     """`iter()` (Lightning's probe) starts no epoch and no worker; the first batch does."""
     pipe = make_pipe(known_len=True)
     trainer = make_trainer(None)
-    lo = cpl.loader(pipe, cp.LoaderConfig(workers=cp.WorkerConfig(num_workers=2)), trainer=trainer)
+    # start_inline=False: the first batch comes from the workers, not from the
+    # main process while they start (the inline warm start).
+    workers = cp.WorkerConfig(num_workers=2, start_inline=False)
+    lo = cpl.loader(pipe, cp.LoaderConfig(workers=workers), trainer=trainer)
     try:
         for _ in range(3):
             iter(lo)

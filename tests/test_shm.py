@@ -38,6 +38,8 @@ pytestmark = pytest.mark.skipif(not shm.available(), reason="no os.memfd_create 
 
 
 def _config(start_method: str = "fork", **kw: Any) -> cp.LoaderConfig:
+    # Every result crosses a ring: none is run inline while a pool starts.
+    kw.setdefault("start_inline", False)
     workers = cp.WorkerConfig(num_workers=2, start_method=start_method, **kw)
     return cp.LoaderConfig(workers=workers)
 

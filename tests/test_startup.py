@@ -78,8 +78,9 @@ PRELOAD_CHILD = textwrap.dedent(
 
     def main():
         pipe = cp.Pipeline.from_iterable(range(4)).dispatch().map({module}.torch_loaded)
-        config = cp.LoaderConfig(workers=cp.WorkerConfig(num_workers=2,
-                                                         start_method="forkserver"))
+        # Every item in a worker (none inline while the workers start).
+        config = cp.LoaderConfig(workers=cp.WorkerConfig(
+            num_workers=2, start_method="forkserver", start_inline=False))
         with cp.Loader(pipe, config) as loader:
             workers = list(loader)
             with open(f"/proc/{{server()}}/maps") as f:

@@ -131,8 +131,9 @@ def _handed_over(loader: cp.Loader[Any]) -> None:
 def test_output_is_that_of_num_workers_0(gate: threading.Event, method: str) -> None:
     """Seeded items run inline while the pool starts, then by the workers:
     the output (values, order, random streams) equals num_workers=0's, and
-    the next epoch runs on the workers alone."""
-    pipe = _pipe(_noisy, with_rng=True)
+    the next epoch runs on the workers alone. (spawn: a standard-library
+    function, so each spawned worker boots without importing torch.)"""
+    pipe = _pipe(_noisy, with_rng=True) if method == "forkserver" else _pipe()
     with cp.Loader(pipe, _config(0)) as inline:
         expected = [collect(inline), collect(inline)]
     with cp.Loader(pipe, _config(2, method)) as loader:
@@ -221,21 +222,46 @@ def test_checkpoint_taken_inline_resumes_exactly(
 
 
 @pytest.mark.timeout(60)
-def test_parallel_stage_runs_inline_then_on_the_workers(gate: threading.Event) -> None:
+@pytest.mark.parametrize("after", [True, False], ids=["worker-stage-after", "no-worker-stage"])
+def test_parallel_stage_runs_inline_then_on_the_workers(gate: threading.Event, after: bool) -> None:
     """A parallel central stage runs inline too while the pool starts, then
-    on the workers: output equals num_workers=0's."""
-    pipe = (
-        cp.Pipeline.from_iterable(range(N))
-        .map(_times3, parallel=True)
-        .count("c")
-        .dispatch()
-        .map(_times3)
-    )
-    expected = [9 * i for i in range(N)]
+    on the workers (with or without worker stages after the boundary):
+    output equals num_workers=0's."""
+    pipe = cp.Pipeline.from_iterable(range(N)).map(_times3, parallel=True).count("c").dispatch()
+    if after:
+        pipe = pipe.map(_times3)
+    expected = [(9 if after else 3) * i for i in range(N)]
     with cp.Loader(pipe, _config(2)) as loader:
-        got, it = _split_run(gate, loader, 40)
+        it = iter(loader)
+        got = [next(it) for _ in range(40)]
+        assert loader.worker_pids() == []
+        _open_and_wait(gate, loader)
         assert got + list(it) == expected
         assert sum(loader.metrics()["map_1"]["parallel"]["items_per_worker"]) > 0
+        assert loader.query("c", delivered=True)["items"] == N
+
+
+@pytest.mark.timeout(60)
+def test_a_checkpoint_resumes_in_a_loader_that_is_warming_up(gate: threading.Event) -> None:
+    """A checkpoint loaded into a fresh loader whose workers are still
+    starting resumes exactly: the in-flight items run inline first, then the
+    workers take over."""
+    pipe = _pipe()
+    expected = [3 * i for i in range(N)]
+    gate.set()
+    with cp.Loader(pipe, _config(2, "fork")) as first:
+        it = iter(first)
+        got = [next(it) for _ in range(45)]
+        sd = first.state_dict()
+    gate.clear()
+    with cp.Loader(pipe, _config(2)) as fresh:
+        fresh.load_state_dict(sd)
+        it = iter(fresh)
+        got += [next(it) for _ in range(20)]
+        assert fresh.metrics()["dispatch"]["inline_items"] >= 20
+        _open_and_wait(gate, fresh)
+        assert got + list(it) == expected
+        _handed_over(fresh)
 
 
 def _once_at(real: Callable[..., Any], nth: int, after: bool) -> Callable[..., Any]:
@@ -304,9 +330,32 @@ def test_ctrl_c_anywhere_in_the_hand_over(gate: threading.Event) -> None:
             assert got[:at] + collect(fresh) == expected, f"interrupt at event {k}"
         return landed
 
-    k = _sweep(attempt)
-    print("SWEEP", k)
-    assert k > 10
+    assert _sweep(attempt) > 10
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_anywhere_in_an_inline_next(gate: threading.Event) -> None:
+    """An interrupt at every function entry of a next() that runs a chunk
+    inline for the starting pool (the readiness check included): raised at
+    once, nothing lost or repeated, and the checkpoint taken then resumes."""
+    pipe = _pipe()
+    expected = [3 * i for i in range(N)]
+
+    def attempt(k: int) -> bool:
+        with cp.Loader(pipe, _config(2)) as loader:
+            it = iter(loader)
+            got = [next(it) for _ in range(8)]  # the first chunk: the next next() pulls
+            landed = _interrupt_at(k, lambda: got.append(next(it)))
+            sd, at = loader.state_dict(), len(got)
+            got.extend(it)
+            assert got == expected, f"interrupt at event {k}"
+            assert loader.metrics()["dispatch"]["items_per_worker"] == [0, 0]
+        with cp.Loader(pipe, _config(0)) as fresh:
+            fresh.load_state_dict(sd)
+            assert got[:at] + collect(fresh) == expected, f"interrupt at event {k}"
+        return landed
+
+    assert _sweep(attempt) > 10
 
 
 @pytest.mark.timeout(60)

@@ -289,7 +289,7 @@ def plain_cpu_tensor(t: torch.Tensor) -> bool:
     import torch
 
     return not (
-        t.device.type != "cpu"
+        not t.is_cpu
         or t.layout != torch.strided
         or t.requires_grad
         or t.is_quantized
@@ -303,14 +303,14 @@ def _stash_tensor(t: torch.Tensor, ring: RingWriter) -> Any:
 
     if not plain_cpu_tensor(t) or t.storage_offset() or not t.is_contiguous():
         return t
-    nbytes = t.numel() * t.element_size()
+    nbytes = t.nbytes
     if nbytes < MIN_RING_BUFFER_BYTES or t.untyped_storage().nbytes() != nbytes:
         return t
     at = ring.reserve(nbytes)
     if at < 0:
         return t
-    src = t.detach().reshape(-1).view(torch.uint8).numpy()
-    ring.array(at, nbytes)[:] = src
+    # No autograd (checked above), contiguous: a uint8 view of its bytes.
+    ring.array(at, nbytes)[:] = t.view(torch.uint8).numpy().reshape(-1)
     return RingRef("t", Placed(at, nbytes), t.dtype, tuple(t.shape), True)
 
 

@@ -49,11 +49,18 @@ class Reduced:
 
 
 def _bytes_of_tensor(t: torch.Tensor) -> bytes:
-    flat = t.detach().reshape(-1).contiguous()
-    # A one-element tensor counts as contiguous whatever its stride (e.g. 3 for
-    # a column of a row), and view() needs stride 1: give it that stride.
-    flat = flat.as_strided((flat.numel(),), (1,))
-    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    """The bytes of ``t``'s elements in C order, read through its strides (no
+    torch op: some dtypes, e.g. float8 and bits, have no ``copy_``)."""
+    size = t.element_size()
+    if not t.numel():
+        return b""
+    memory = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy()
+    elements = np.lib.stride_tricks.as_strided(
+        memory[t.storage_offset() * size :],
+        shape=(*t.shape, size),
+        strides=(*(s * size for s in t.stride()), 1),
+    )
+    return elements.tobytes()
 
 
 def _span(addr: int, shape: Any, strides: Any, itemsize: int) -> tuple[int, int]:
@@ -147,32 +154,73 @@ TENSOR_DTYPES = [
     torch.int32,
     torch.int64,
     torch.uint16,
+    torch.uint32,
+    torch.uint64,
     torch.float16,
     torch.bfloat16,
     torch.float32,
     torch.float64,
     torch.complex64,
     torch.complex128,
+    torch.complex32,
+    # Dtypes that plain ``pickle`` refuses in torch 2.13 (no typed storage):
+    # their bytes still cross.
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
+    torch.float8_e8m0fnu,
+    torch.float4_e2m1fn_x2,
+    torch.bits8,
+    torch.bits16,
 ]
 ARRAY_DTYPES = [
     np.dtype(np.bool_),
     np.dtype(np.int8),
+    np.dtype(np.uint8),
+    np.dtype(np.int16),
     np.dtype(np.uint16),
     np.dtype(">i4"),
+    np.dtype(np.uint32),
     np.dtype(np.int64),
+    np.dtype(np.uint64),
     np.dtype(np.float16),
     np.dtype(np.float32),
     np.dtype(np.float64),
+    np.dtype(">f8"),
+    np.dtype(np.longdouble),
+    np.dtype(np.complex64),
     np.dtype(np.complex128),
+    np.dtype("M8[ns]"),
+    np.dtype("m8[s]"),
     np.dtype("S3"),
     np.dtype("U2"),
+    np.dtype("V3"),
     np.dtype([("a", "<i4"), ("b", "f8"), ("c", "S2")]),
+    np.dtype([("a", "<i4", (2,)), ("b", [("c", "u1"), ("d", ">f4")])]),
 ]
 
 
 def _random_bytes(seed: int, n: int) -> bytearray:
     g = torch.Generator().manual_seed(seed)
     return bytearray(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy().tobytes())
+
+
+def _as_numpy(t: torch.Tensor) -> Any:
+    """``t.numpy()`` (the same memory), or ``None`` for dtypes numpy lacks."""
+    try:
+        return t.numpy()
+    except (TypeError, RuntimeError):
+        return None
+
+
+def _as_tensor(a: Any) -> Any:
+    """``torch.from_numpy(a)`` (the same memory), or ``None`` where torch
+    cannot take it (dtype, byte order, negative strides)."""
+    try:
+        return torch.from_numpy(a)
+    except (TypeError, ValueError, RuntimeError):
+        return None
 
 
 @st.composite
@@ -188,7 +236,7 @@ def tensor_family(draw: st.DrawFn) -> list[Any]:
     base = flat.view(dtype).reshape(rows, cols)
     views = [base]
     for _ in range(draw(st.integers(0, 3))):
-        kind = draw(st.sampled_from(["slice", "t", "row", "scalar", "col", "clone"]))
+        kind = draw(st.sampled_from(["slice", "t", "row", "scalar", "col", "clone", "numpy"]))
         if kind == "slice" and rows:
             a = draw(st.integers(0, rows - 1))
             views.append(base[a : draw(st.integers(a, rows)) : draw(st.integers(1, 3))])
@@ -202,6 +250,8 @@ def tensor_family(draw: st.DrawFn) -> list[Any]:
             views.append(base[:, draw(st.integers(0, cols - 1))])
         elif kind == "clone":
             views.append(base.clone())
+        elif kind == "numpy" and _as_numpy(base) is not None:
+            views.append(_as_numpy(base))
     if draw(st.booleans()) and len(views) > 1:
         views = views[1:]  # views without their base: only their bytes travel
     return views
@@ -211,7 +261,8 @@ def tensor_family(draw: st.DrawFn) -> list[Any]:
 def array_family(draw: st.DrawFn) -> list[Any]:
     """A base numpy array and some views of it."""
     dtype = draw(st.sampled_from(ARRAY_DTYPES))
-    shape = draw(st.sampled_from([(), (0,), (5,), (3, 4), (2, 3, 2), (40, 100)]))
+    # (64, 300): out of band, and into the ring for any dtype
+    shape = draw(st.sampled_from([(), (0,), (5,), (3, 4), (2, 3, 2), (40, 100), (64, 300)]))
     n = int(np.prod(shape)) * dtype.itemsize
     raw = _random_bytes(draw(st.integers(0, 2**31)), n)
     if dtype == np.bool_:
@@ -225,7 +276,9 @@ def array_family(draw: st.DrawFn) -> list[Any]:
         base = base.copy()  # owns its memory
     views = [base]
     for _ in range(draw(st.integers(0, 3))):
-        kind = draw(st.sampled_from(["step", "T", "first", "readonly", "fortran"]))
+        kind = draw(
+            st.sampled_from(["step", "T", "first", "readonly", "fortran", "frozen", "torch"])
+        )
         if kind == "step" and base.ndim:
             views.append(base[:: draw(st.sampled_from([-1, 2, 3]))])
         elif kind == "T":
@@ -238,6 +291,12 @@ def array_family(draw: st.DrawFn) -> list[Any]:
             views.append(ro)
         elif kind == "fortran":
             views.append(np.asfortranarray(base))
+        elif kind == "torch" and _as_tensor(base) is not None:
+            views.append(_as_tensor(base))
+        elif kind == "frozen":  # read-only memory of its own
+            frozen = base.copy()
+            frozen.flags.writeable = False
+            views.append(frozen)
     return views
 
 
@@ -270,7 +329,11 @@ def _containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
 
 @st.composite
 def items(draw: st.DrawFn) -> Any:
-    """An item, sometimes holding the same object twice."""
+    """An item: a bare tensor or array (what stages most often return), or a
+    nested structure, sometimes holding the same object twice."""
+    if draw(st.integers(0, 3)) == 0:
+        family = draw(st.one_of(tensor_family(), array_family()))
+        return family[draw(st.integers(0, len(family) - 1))]
     item = draw(st.recursive(leaves, _containers, max_leaves=6))
     if draw(st.booleans()):
         item = [item, item]
@@ -280,11 +343,31 @@ def items(draw: st.DrawFn) -> Any:
 # -- the property ----------------------------------------------------------------
 
 
-def _echo(item: Any) -> Any:
-    """Worker stage: what the worker received, described, and the item itself."""
-    return describe(item), item
+def _fresh(x: Any) -> Any:
+    """A new tensor or array with ``x``'s values (``None`` for anything else),
+    as a stage computes one: memory of its own in the same layout, with the
+    same writability."""
+    if isinstance(x, torch.Tensor):
+        try:
+            return x.clone()
+        except NotImplementedError:  # no copy_ for a strided view of some dtypes
+            return None
+    if isinstance(x, np.ndarray):
+        out = x.copy(order="K")  # the same layout: C, Fortran or transposed
+        out.flags.writeable = x.flags.writeable
+        return out
+    return None
 
 
+def _seen_item_fresh(item: Any) -> list[Any]:
+    """Worker stage: what the worker received (described), the item itself
+    and a fresh copy of it, as three outputs. A bare tensor or array output
+    that owns its memory is moved into the worker's ring as it is made
+    (``dispatch.stash``); anything else is sent with the chunk's message."""
+    return [describe(item), item, _fresh(item)]
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 @given(st.lists(items(), min_size=1, max_size=3))
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_copy_keeps_everything_observable(batch: list[Any]) -> None:
@@ -295,20 +378,76 @@ def test_copy_keeps_everything_observable(batch: list[Any]) -> None:
     assert describe(transport.copy(once)) == describe(batch)
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 @given(batch=st.lists(items(), min_size=1, max_size=4))
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_items_cross_unchanged_for_any_num_workers(batch: list[Any]) -> None:
-    """Items reach the worker stages and come back unchanged with 0 and 2 workers."""
+    """Items reach the worker stages and come back unchanged with 0 and 2
+    workers: as received, as returned, and fresh results made from them."""
     expected = [describe(item) for item in batch]
-    pipe = cp.Pipeline.from_iterable(batch).dispatch().map(_echo)
+    fresh = [describe(_fresh(item)) for item in batch]
+    pipe = cp.Pipeline.from_iterable(batch).dispatch().flat_map(_seen_item_fresh)
     for num_workers in (0, 2):
         with cp.Loader(pipe, loader_config(num_workers=num_workers, chunk_size=2)) as loader:
             got = list(loader)
-        assert [seen for seen, _ in got] == expected, "as received by the worker stage"
-        assert [describe(back) for _, back in got] == expected, "as delivered"
+        assert len(got) == 3 * len(batch)
+        assert got[0::3] == expected, "as received by the worker stage"
+        assert [describe(back) for back in got[1::3]] == expected, "as delivered"
+        assert [describe(new) for new in got[2::3]] == fresh, "made by the worker stage"
 
 
 # -- cases worth naming ------------------------------------------------------------
+
+
+def _every_kind() -> list[Any]:
+    """One item per listed kind, each large enough for the rings: for every
+    tensor dtype a base with its views (sharing its storage), a transpose, a
+    clone and a bare base; for every array dtype a base that owns its memory,
+    a strided view, a transpose, a read-only view, an array read-only in
+    memory of its own, a Fortran-ordered copy and a 0-d array; and tensors
+    and arrays over the same memory (``numpy()``, ``from_numpy``)."""
+    out: list[Any] = []
+    for k, dtype in enumerate(TENSOR_DTYPES):
+        flat = torch.frombuffer(_random_bytes(k, 6 * 3000 * dtype.itemsize), dtype=torch.uint8)
+        base = (flat % 2 if dtype is torch.bool else flat).view(dtype).reshape(6, 3000)
+        out += [base, (base, base[1], base[::2], base[:, 7]), base.t(), base.clone()]
+        if _as_numpy(base) is not None:  # the same memory as a tensor and an array
+            out.append({"t": base, "a": _as_numpy(base[2:]), "row": _as_numpy(base[1])})
+    for k, dt in enumerate(ARRAY_DTYPES):
+        base = np.zeros((64, 300), dtype=dt)
+        base.reshape(-1).view(np.uint8)[:] = np.frombuffer(_random_bytes(k, base.nbytes), np.uint8)
+        if dt.kind in "bfc" or dt.fields:  # no NaN payloads or invalid bools
+            base[...] = np.ones((), dtype=dt)
+        frozen = base.copy()
+        frozen.flags.writeable = False
+        readonly = base.view()
+        readonly.flags.writeable = False
+        out += [base, (base, base[::-2], base[3]), base.T, readonly, frozen]
+        out += [np.asfortranarray(base), base[0, 0].copy(), np.array(base[0, 0])]
+        if _as_tensor(base) is not None:
+            out.append([_as_tensor(base[5:]), base, _as_tensor(base.T)])
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("num_workers", [0, 2], ids=["inline", "2-workers"])
+def test_every_dtype_and_layout_crosses_both_ways(num_workers: int) -> None:
+    """Every listed tensor and array dtype and layout, bare or with views of
+    its memory: what the worker received, what it returned and a fresh copy
+    it made are the originals as ``describe`` sees them (the copies through
+    the worker's ring)."""
+    batch = _every_kind()
+    pipe = cp.Pipeline.from_iterable(batch).dispatch().flat_map(_seen_item_fresh)
+    with cp.Loader(pipe, loader_config(num_workers=num_workers, chunk_size=3)) as loader:
+        got = list(loader)
+        moved = loader.metrics()["dispatch"].get("transport", {})
+    assert len(got) == 3 * len(batch)
+    for i, item in enumerate(batch):
+        assert got[3 * i] == describe(item), f"item {i} as received by the worker stage"
+        assert describe(got[3 * i + 1]) == describe(item), f"item {i} as delivered"
+        assert describe(got[3 * i + 2]) == describe(_fresh(item)), f"item {i} made by the stage"
+    if num_workers:
+        assert moved["shared_memory_bytes"] > 0  # the large buffers took the rings
 
 
 def _numpy_full(x: int) -> Any:
@@ -331,6 +470,59 @@ def test_numpy_results_and_inputs_cross(num_workers: int) -> None:
     assert [a.tolist() for a in out] == [[float(i)] * 4 for i in range(5)]
     with cp.Loader(to_worker.dispatch().map(_add_one), config) as loader:
         assert [a.tolist() for a in loader] == [(np.arange(3) * i + 1).tolist() for i in range(5)]
+
+
+def test_issue_lambda_numpy_full_with_one_worker() -> None:
+    """The report's pipeline, ``.map(lambda x: np.full(4, x))`` with
+    ``num_workers=1``, delivers what ``num_workers=0`` does (it raised
+    ``TypeError: a bytes-like object is required, not 'Tensor'``)."""
+    pipe = cp.Pipeline.from_iterable(range(6)).dispatch().map(lambda x: np.full(4, x))
+    runs = []
+    for num_workers in (0, 1):
+        with cp.Loader(pipe, loader_config(num_workers=num_workers)) as loader:
+            runs.append(list(loader))
+            assert loader.metrics()["dispatch"]["restarts"] == 0
+    inline, one = runs
+    assert [describe(a) for a in one] == [describe(a) for a in inline]
+    assert [a.tolist() for a in one] == [[i] * 4 for i in range(6)]
+    assert all(type(a) is np.ndarray and a.dtype == np.full(4, 0).dtype for a in one)
+
+
+def test_issue_numpy_array_sent_to_a_worker() -> None:
+    """Numpy arrays sent to a worker reach its stage (they killed the worker,
+    reported as a poison item): no restart, nothing skipped, exact values."""
+    arrays = [np.arange(12, dtype=dt).reshape(3, 4) for dt in ("i8", "f4", "u1", ">f8")]
+    arrays += [np.zeros(0), np.array(7.5), np.arange(10)[::3], np.ones((300, 300))]
+    pipe = cp.Pipeline.from_iterable(arrays).dispatch().map(lambda a: (a.dtype.str, a * 2))
+    with cp.Loader(pipe, loader_config(num_workers=1)) as loader:
+        out = list(loader)
+        dispatch = loader.metrics()["dispatch"]
+    assert dispatch["restarts"] == 0 and dispatch["skipped"] == 0
+    assert [dt for dt, _ in out] == [a.dtype.str for a in arrays]
+    for (_, got), a in zip(out, arrays):
+        assert got.dtype == (a * 2).dtype and np.array_equal(got, a * 2)
+
+
+def _tensor_and_its_arrays(i: int) -> dict[str, Any]:
+    """A result made in the worker: an array, a tensor on its memory, and an
+    array on part of that tensor's memory."""
+    a = np.full((100, 100), float(i), dtype=np.float32)
+    t = torch.from_numpy(a)
+    return {"a": a, "t": t, "row": t[1].numpy()}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2], ids=["inline", "2-workers"])
+def test_tensor_and_array_on_one_memory_stay_one_memory(num_workers: int) -> None:
+    """A result holding a tensor and an array over the same memory arrives
+    so, as with ``num_workers=0``: a write through one is seen through the
+    others (with workers they came back as independent copies)."""
+    pipe = cp.Pipeline.from_iterable(range(4)).dispatch().map(_tensor_and_its_arrays)
+    with cp.Loader(pipe, loader_config(num_workers=num_workers)) as loader:
+        out = list(loader)
+    for i, d in enumerate(out):
+        assert describe(d) == describe(_tensor_and_its_arrays(i))
+        d["t"][1, 3] = -1.0
+        assert d["a"][1, 3] == -1.0 and d["row"][3] == -1.0
 
 
 def test_view_of_large_tensor_sends_only_its_bytes() -> None:

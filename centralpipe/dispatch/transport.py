@@ -8,7 +8,11 @@ message's tensors and arrays use of it. So
 
 - views and tensors that share memory arrive sharing memory (the region is
   sent once and each view is rebuilt on it, with its own offset, shape and
-  strides), which ``pickle`` itself does not do for torch or numpy;
+  strides), which ``pickle`` itself does not do for torch or numpy; this
+  holds across kinds too: regions whose bytes overlap in memory (a tensor
+  and ``tensor.numpy()``, an array and ``torch.from_numpy(array)``) are sent
+  as one, so an item made in a worker arrives as it would with
+  ``num_workers=0``;
 - a small view of a large tensor sends only the bytes it spans;
 - every dtype crosses as bytes (``bool``, ``bfloat16``, complex, structured
   numpy dtypes), 0-d and non-contiguous arrays keep their shape and strides,
@@ -155,13 +159,18 @@ def exception_text(exc: BaseException) -> str:
 
 class _Region:
     """One memory block referenced by the message: the bytes ``[lo, hi)`` of
-    ``source`` (a flat uint8 tensor or array over the block) are sent."""
+    ``source`` (a flat uint8 tensor or array over the block, starting at
+    memory address ``addr``; ``None`` for a buffer already in the ring) are
+    sent. ``align``: the largest element size of the tensors rebuilt on it
+    (their offsets are whole elements)."""
 
-    __slots__ = ("hi", "index", "lo", "source")
+    __slots__ = ("addr", "align", "hi", "index", "lo", "source")
 
-    def __init__(self, index: int, source: Any) -> None:
+    def __init__(self, index: int, source: Any, addr: int | None) -> None:
         self.index = index
         self.source = source
+        self.addr = addr
+        self.align = 1
         self.lo = -1
         self.hi = -1
 
@@ -207,10 +216,10 @@ class _Pickler(pickle.Pickler):
     def _oob(self, buf: pickle.PickleBuffer) -> None:
         self.buffers.append(buf.raw())
 
-    def region(self, key: tuple[Any, ...], source: Any) -> _Region:
+    def region(self, key: tuple[Any, ...], source: Any, addr: int | None) -> _Region:
         reg = self.regions.get(key)
         if reg is None:
-            reg = self.regions[key] = _Region(len(self.regions), source)
+            reg = self.regions[key] = _Region(len(self.regions), source, addr)
         return reg
 
     def reducer_override(self, obj: Any) -> Any:
@@ -244,14 +253,15 @@ class _Pickler(pickle.Pickler):
         reg = self.regions.get(key)
         if reg is None:
             flat = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
-            reg = self.region(key, flat)
+            reg = self.region(key, flat, key[1])
         size = t.element_size()
+        reg.align = max(reg.align, size)
         offset = int(t.storage_offset()) * size
         reg.cover(*_span(offset, shape, [s * size for s in stride], size))
         return (_rebuild_tensor, (reg, offset, t.dtype, shape, stride))
 
     def _reduce_ring_ref(self, ref: RingRef) -> Any:
-        reg = self.region(("r", ref.placed.offset), ref.placed)
+        reg = self.region(("r", ref.placed.offset), ref.placed, None)
         reg.cover(0, ref.placed.nbytes)
         if ref.kind == "t":
             return (_rebuild_tensor, (reg, 0, ref.dtype, ref.shape, ref.strides(1)))
@@ -275,10 +285,11 @@ class _Pickler(pickle.Pickler):
             key = ("n", root.__array_interface__["data"][0], root.nbytes)
             reg = self.regions.get(key)
             if reg is None:
-                reg = self.region(key, root.reshape(-1, order="A").view(np.uint8))
+                reg = self.region(key, root.reshape(-1, order="A").view(np.uint8), key[1])
         else:  # memory of another layout (e.g. broadcast): this array alone, compact
             a = a if a.flags.c_contiguous or a.flags.f_contiguous else np.ascontiguousarray(a)
-            reg = self.region(("n", id(a)), a.reshape(-1, order="A").view(np.uint8))
+            addr = a.__array_interface__["data"][0]
+            reg = self.region(("n", id(a)), a.reshape(-1, order="A").view(np.uint8), addr)
             offset = 0
             span = (0, a.nbytes)
         reg.cover(*span)
@@ -324,15 +335,19 @@ class _Loaded:
     Tensors rebuilt on it share one storage and arrays one base array, so
     sending them on again keeps their sharing too."""
 
-    __slots__ = ("array", "base", "buffer", "tensor")
+    __slots__ = ("array", "base", "buffer", "owner", "storage_base", "tensor")
 
-    def __init__(self, base: int, buffer: Any) -> None:
+    def __init__(self, base: int, buffer: Any, owner: _Loaded | None = None) -> None:
         self.base = base
         self.buffer = buffer  # a writable bytes-like object
+        self.owner = owner  # the region whose memory this one's lies in (see _merge)
         self.tensor: torch.Tensor | None = None
         self.array: Any = None
+        self.storage_base = base  # the block's byte at which storage() starts
 
     def root(self) -> Any:
+        if self.owner is not None:
+            return self.owner.root()
         if self.array is None:
             self.array = np.frombuffer(self.buffer, dtype=np.uint8)
         return self.array
@@ -340,6 +355,15 @@ class _Loaded:
     def storage(self) -> Any:
         import torch
 
+        if self.owner is not None and self.tensor is None:
+            # A storage of its own where its block starts (it was one, apart
+            # from the owner's), on the owner's memory; else the owner's.
+            if 0 <= -self.base < len(self.buffer):
+                self.tensor = torch.frombuffer(self.buffer, dtype=torch.uint8, offset=-self.base)
+                self.storage_base = 0
+            else:
+                self.tensor = self.owner.storage_tensor()
+                self.storage_base = self.base - self.owner.base + self.owner.storage_base
         if self.tensor is None:
             if len(self.buffer):
                 self.tensor = torch.frombuffer(self.buffer, dtype=torch.uint8)
@@ -347,14 +371,19 @@ class _Loaded:
                 self.tensor = torch.empty(0, dtype=torch.uint8)
         return self.tensor.untyped_storage()
 
+    def storage_tensor(self) -> Any:
+        self.storage()
+        return self.tensor
+
 
 def _rebuild_tensor(
     reg: _Loaded, offset: int, dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...]
 ) -> torch.Tensor:
     import torch
 
-    start = (offset - reg.base) // dtype.itemsize
-    return torch.empty(0, dtype=dtype).set_(reg.storage(), start, shape, stride)
+    storage = reg.storage()
+    start = (offset - reg.storage_base) // dtype.itemsize
+    return torch.empty(0, dtype=dtype).set_(storage, start, shape, stride)
 
 
 def _rebuild_array(
@@ -418,8 +447,14 @@ def dumps(obj: Any) -> Message:
     if not pickler.regions and not pickler.sealed:
         meta = b""
     else:
-        table: list[tuple[int, int, bytes | None]] = []  # (base, size, in-band bytes)
+        aliases = _merge(list(pickler.regions.values())) if len(pickler.regions) > 1 else {}
+        # (base, size, in-band bytes), or (owner's index, delta) for a region
+        # that lies in another's memory
+        table: list[tuple[Any, ...]] = []
         for reg in pickler.regions.values():
+            if reg.index in aliases:
+                table.append(aliases[reg.index])
+                continue
             if type(reg.source) is Placed:  # already in the ring (dispatch.stash)
                 table.append((0, reg.source.nbytes, None))
                 buffers.append(reg.source)  # type: ignore[arg-type]
@@ -470,6 +505,48 @@ def _loads_plain(body: memoryview, buffers: Sequence[Any]) -> Plain:
     return Plain(prefix, plain.rebuild(table, list(buffers)))
 
 
+def _merge(regions: list[_Region]) -> dict[int, tuple[int, int]]:
+    """Regions whose sent bytes overlap in memory, as ``{index: (owner's
+    index, delta)}``: each is sent as part of its owner, a region of the
+    group whose block holds all of the group's bytes (``delta``: where the
+    region's block starts in the owner's). The owner's span grows to cover
+    them. A group with no such owner, or where a tensor's offset would not
+    be whole elements of the owner's memory, stays as it is (copies)."""
+    spans = sorted(
+        ((reg.addr + reg.lo, reg.addr + reg.hi, reg) for reg in regions if reg.addr is not None),
+        key=lambda span: span[0],
+    )
+    aliases: dict[int, tuple[int, int]] = {}
+    group: list[_Region] = []
+    end = -1
+    for lo, hi, reg in [*spans, (-1, -1, None)]:
+        if reg is not None and lo < end:
+            group.append(reg)
+            end = max(end, hi)
+            continue
+        if len(group) > 1:
+            _merge_group(group, aliases)
+        group, end = ([reg], hi) if reg is not None else ([], -1)
+    return aliases
+
+
+def _merge_group(group: list[_Region], aliases: dict[int, tuple[int, int]]) -> None:
+    first = min(r.addr + r.lo for r in group)  # type: ignore[operator]
+    last = max(r.addr + r.hi for r in group)  # type: ignore[operator]
+    for owner in group:
+        start = owner.addr
+        assert start is not None
+        if not (start <= first and last <= start + len(owner.source)):
+            continue
+        if any((r.addr - start) % r.align for r in group):  # type: ignore[operator]
+            continue
+        owner.cover(first - start, last - start)
+        for r in group:
+            if r is not owner:
+                aliases[r.index] = (owner.index, r.addr - start)  # type: ignore[operator]
+        return
+
+
 def _view(data: Any) -> memoryview:
     tensor = _tensor_class()
     if tensor is not None and isinstance(data, tensor):
@@ -511,15 +588,21 @@ def loads(head: Any, buffers: Sequence[Any]) -> Any:
     n_pickle = len(sizes)
     if meta_len:
         table, sealed_table = pickle.loads(view[pos : pos + meta_len])
-        n_pickle -= sum(1 for *_, data in table if data is None)
+        n_pickle -= sum(1 for entry in table if len(entry) == 3 and entry[2] is None)
         n_pickle -= sum(n for _, n in sealed_table)
         k = n_pickle
-        for base, _size, data in table:
-            if data is None:
-                regions.append(_Loaded(base, buffers[k]))
+        for entry in table:
+            if len(entry) == 2:  # in another region's memory: filled in below
+                regions.append(None)  # type: ignore[arg-type]
+            elif entry[2] is None:
+                regions.append(_Loaded(entry[0], buffers[k]))
                 k += 1
             else:
-                regions.append(_Loaded(base, bytearray(data)))
+                regions.append(_Loaded(entry[0], bytearray(entry[2])))
+        for i, entry in enumerate(table):
+            if len(entry) == 2:
+                owner = regions[entry[0]]
+                regions[i] = _Loaded(owner.base - entry[1], owner.buffer, owner)
         for inner_head, n in sealed_table:
             sealed.append((inner_head, list(buffers[k : k + n])))
             k += n

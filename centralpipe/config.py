@@ -222,8 +222,9 @@ class LoaderConfig:
             range, the mix is a 64-bit bijection cut to 63 bits, so two seeds
             share a stream only by a 2**-63 chance.
         pin_memory: pin the tensors of delivered items for the current
-            accelerator (``torch.accelerator``), in a background thread; with
-            no accelerator, warn once and do nothing.
+            accelerator (``torch.accelerator``, the device current when the
+            Loader is created), in a background thread; with no accelerator,
+            or on MPS, warn once and do nothing.
     """
 
     workers: WorkerConfig = attrs.field(factory=WorkerConfig, validator=_instance(WorkerConfig))

@@ -8,7 +8,14 @@ outputs when it reaches the chunk. Delivery order, counts and checkpoints do
 not change: a chunk's outputs are replaced, not re-queued. The work ahead is
 bounded by the buffer (only chunks already received are pinned).
 
-Without an accelerator (``torch.accelerator``) pinning is meaningless:
+The pin thread works for the accelerator device that was current in the
+thread that created the Loader (``torch.accelerator.current_device_index``),
+as torch's DataLoader's pin thread does: a new thread starts on device 0,
+and pinning there would set up device 0 in every process of a multi-device
+job.
+
+Without an accelerator (``torch.accelerator``) pinning is meaningless, and
+on MPS torch cannot pin (torch's DataLoader turns it off there too):
 :func:`make_pinner` warns once per Loader and the outputs are left as they are.
 """
 
@@ -39,6 +46,10 @@ def accelerator() -> torch.device | None:
         return None
     device: torch.device | None = acc.current_accelerator()
     return device
+
+
+#: Accelerators on which torch cannot pin memory (it raises).
+_CANNOT_PIN = ("mps",)
 
 
 def pin(obj: Any) -> Any:
@@ -74,9 +85,11 @@ class Pinner:
 
     Each thread has its own job queue, so a thread whose start was
     interrupted (Ctrl-C) and is given up can never take a later thread's
-    jobs, and ``close()`` ends whichever of them runs."""
+    jobs, and ``close()`` ends whichever of them runs. The thread pins for
+    accelerator device ``device_index`` (``None``: the thread's default)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_index: int | None = None) -> None:
+        self.device_index = device_index
         self._jobs: queue.SimpleQueue[tuple[list[Any], Future[list[Any]]] | None] = (
             queue.SimpleQueue()
         )
@@ -95,7 +108,10 @@ class Pinner:
                 jobs: queue.SimpleQueue[tuple[list[Any], Future[list[Any]]] | None]
                 jobs = queue.SimpleQueue()
                 thread = threading.Thread(
-                    target=self._run, args=(jobs,), name="centralpipe-pin", daemon=True
+                    target=self._run,
+                    args=(jobs, self.device_index),
+                    name="centralpipe-pin",
+                    daemon=True,
                 )
                 self._thread, self._jobs = thread, jobs
                 try:
@@ -110,7 +126,12 @@ class Pinner:
         return future
 
     @staticmethod
-    def _run(jobs: queue.SimpleQueue[tuple[list[Any], Future[list[Any]]] | None]) -> None:
+    def _run(
+        jobs: queue.SimpleQueue[tuple[list[Any], Future[list[Any]]] | None],
+        device_index: int | None,
+    ) -> None:
+        if device_index is not None:
+            torch.accelerator.set_device_index(device_index)
         while True:
             job = jobs.get()
             if job is None:
@@ -139,7 +160,8 @@ def make_pinner(enabled: bool) -> Pinner | None:
     ``None`` (with a warning when it was asked for)."""
     if not enabled:
         return None
-    if accelerator() is None:
+    device = accelerator()
+    if device is None:
         warnings.warn(
             "LoaderConfig(pin_memory=True) but no accelerator is available "
             "(torch.accelerator.is_available() is False): tensors are not pinned.",
@@ -147,4 +169,12 @@ def make_pinner(enabled: bool) -> Pinner | None:
             stacklevel=3,
         )
         return None
-    return Pinner()
+    if device.type in _CANNOT_PIN:
+        warnings.warn(
+            f"LoaderConfig(pin_memory=True) but torch cannot pin memory for the "
+            f"'{device.type}' accelerator: tensors are not pinned.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    return Pinner(torch.accelerator.current_device_index())

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
+
+import pytest
 
 from centralpipe import bench, bench_report, bench_transport
 from centralpipe.bench_transport import FUNCTIONS, NO_INLINE, NO_TORCH_IN_SERVER
+from centralpipe.config import START_METHODS
 
 
 def test_startup_child_times_a_first_and_a_later_loader() -> None:
@@ -75,3 +79,41 @@ def test_cold_epoch_rows_for_both_functions() -> None:
     cold = [k for k in got if k.startswith("cpu, 2 workers, a process's first Loader")]
     assert [got[k] for k in cold] == [True, False]
     assert "(torch module)" in cold[1]
+
+
+def test_startup_section_measures_every_start_method_first_and_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`bench --only startup` measures fork, forkserver and spawn, each in a
+    fresh process per gap, and reports a first and a later Loader for each
+    (children faked here: the plumbing, not the timings)."""
+    runs: list[list[str]] = []
+
+    def child(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+        runs.append(cmd[3:])
+        return subprocess.CompletedProcess(cmd, 0, stdout="0.250000 0.020000\n", stderr="")
+
+    monkeypatch.setattr(bench_transport.subprocess, "run", child)
+    startup = bench_transport.measure_startup(START_METHODS)
+    assert set(START_METHODS) == {"fork", "forkserver", "spawn"}
+    assert {method for method, _, _ in startup} == {"fork", "forkserver", "spawn"}
+    assert {gap for _, _, gap in startup} == set(bench_transport.GAPS_S)
+    assert len(runs) == len(startup)  # one fresh process per row
+    lines = bench_transport.report_lines(startup)
+    for method in START_METHODS:
+        assert f"| {method} | no torch | 0 | 250 | 20 |" in lines
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_startup_child_runs_for_the_other_start_methods(method: str) -> None:
+    """The startup section's fresh process times a first and a later Loader
+    under forkserver and spawn too."""
+    done = subprocess.run(
+        [sys.executable, "-c", bench_transport._CHILD, method, "0", "builtins:abs", "auto"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, later = (float(x) for x in done.stdout.split())
+    assert first > 0 and later > 0

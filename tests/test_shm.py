@@ -116,7 +116,8 @@ def test_worker_killed_mid_write_yields_no_torn_result(tmp_path: Path, start_met
 
 def _epoch(fn: Any, config: cp.LoaderConfig) -> tuple[int, int]:
     """(restarts, descriptors open) at the end of one epoch of ``fn``, once
-    its outputs are checked and freed."""
+    its outputs are checked and freed; a second epoch (no kills left: each
+    happens once) must then go through the rings of the last workers."""
     pipe = cp.Pipeline.from_iterable(range(1, 301)).dispatch().map(fn)
     with cp.Loader(pipe, config) as loader:
         out = list(loader)
@@ -127,7 +128,17 @@ def _epoch(fn: Any, config: cp.LoaderConfig) -> tuple[int, int]:
         gc.collect()  # results lent from the rings of killed workers hold those
         assert _ring_maps() == 2
         assert _transport(loader)["shared_memory_bytes"] > 0
-        return loader.metrics()["dispatch"]["restarts"], len(os.listdir("/proc/self/fd"))
+        restarts = loader.metrics()["dispatch"]["restarts"]
+        fds = len(os.listdir("/proc/self/fd"))
+        before = _transport(loader)["shared_memory_bytes"]
+        again = list(loader)
+        assert [float(d["t"][0]) for d in again] == [float(i) for i in range(1, 301)]
+        assert loader.metrics()["dispatch"]["restarts"] == restarts
+        # every tensor and array of the second epoch came through the rings
+        assert _transport(loader)["shared_memory_bytes"] - before >= 300 * (65536 + 32768)
+        del again
+        gc.collect()
+        return restarts, fds
 
 
 def test_rings_stay_one_per_worker_across_restarts(tmp_path: Path) -> None:
@@ -144,12 +155,13 @@ def test_rings_stay_one_per_worker_across_restarts(tmp_path: Path) -> None:
     assert _ring_maps() == 0
 
 
-def test_nothing_in_dev_shm_after_the_main_process_is_killed() -> None:
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_nothing_in_dev_shm_after_the_main_process_is_killed(start_method: str) -> None:
     """SIGKILL of the main process mid-epoch: its workers exit, and nothing is
     left in /dev/shm (the rings have no name)."""
     before = shm_entries()
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.ring_main", "forkserver"],
+        [sys.executable, "-m", "tests.ring_main", start_method],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -165,6 +177,35 @@ def test_nothing_in_dev_shm_after_the_main_process_is_killed() -> None:
             break
         time.sleep(0.05)
     assert not wait_for_new_shm(before, 1.0)
+
+
+def test_the_leak_fixture_fails_a_test_that_leaves_dev_shm_entries(tmp_path: Path) -> None:
+    """The autouse leak fixture fails a test that leaves an entry in /dev/shm
+    (naming it; pytest reports it as an error at teardown) and passes one
+    that removes its entry again."""
+    name = f"centralpipe-leak-probe-{os.getpid()}"
+    env = {**os.environ, "CENTRALPIPE_LEAK_PROBE": name}
+    args = [
+        "-m",
+        "pytest",
+        "tests/leak_probe.py",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:randomly",
+    ]
+    try:
+        done = subprocess.run(
+            [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        )
+    finally:
+        for path in (Path("/dev/shm") / name, Path("/dev/shm") / f"{name}-gone"):
+            path.unlink(missing_ok=True)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "2 passed, 1 error" in done.stdout, done.stdout  # the fixture fails at teardown
+    assert "ERROR at teardown of test_leaves_an_entry_in_dev_shm" in done.stdout
+    assert f"1 new entry(ies) in /dev/shm after the test: ['{name}']" in done.stdout
 
 
 # -- the ring protocol itself -----------------------------------------------------

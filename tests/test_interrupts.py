@@ -224,6 +224,8 @@ def test_ctrl_c_while_the_pin_thread_starts(monkeypatch: pytest.MonkeyPatch, aft
     pass goes on with a fresh pin thread, delivers every item once, and
     close() leaves no pin thread."""
     monkeypatch.setattr(pinning, "accelerator", lambda: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    monkeypatch.setattr(torch.accelerator, "set_device_index", lambda index: None)
     monkeypatch.setattr(pinning, "pin", lambda obj: obj)
     pipe = cp.Pipeline.from_iterable(range(200)).dispatch().map(_times2)
     config = loader_config(num_workers=0, chunk_size=8)

@@ -238,3 +238,37 @@ def test_tensors_are_pinned_on_an_accelerator() -> None:
     """On a machine with an accelerator, delivered tensors are pinned."""
     with cp.Loader(_pipe(10), _config(2, pin_memory=True)) as loader:
         assert all(t.is_pinned() for t in loader)
+
+
+def _fails_on_five(obj: Any) -> Any:
+    """pin() that fails for the output 5.0 (as running out of pinned memory would)."""
+    if isinstance(obj, torch.Tensor) and float(obj[0]) == 5.0:
+        raise RuntimeError("out of pinned memory (fake)")
+    return obj
+
+
+@pytest.mark.parametrize("num_workers", [0, 2], ids=["inline", "2-workers"])
+def test_a_failure_to_pin_is_raised_once_and_the_checkpoint_resumes(
+    monkeypatch: pytest.MonkeyPatch, num_workers: int
+) -> None:
+    """A pin that fails is raised once, as itself with a note naming
+    pin_memory and the item; the iterator then ends (it raised the same
+    error forever); the checkpoint taken then resumes at the first item not
+    delivered."""
+    FakeAccelerator(monkeypatch)
+    monkeypatch.setattr(pinning, "pin", _fails_on_five)
+    config = _config(num_workers, pin_memory=True)
+    with cp.Loader(_pipe(10), config) as loader:
+        it = iter(loader)
+        head = []
+        with pytest.raises(RuntimeError, match="out of pinned memory") as info:
+            for _ in range(10):
+                head.append(float(next(it)[0]))
+        assert any("pin_memory" in note for note in info.value.__notes__)
+        with pytest.raises(StopIteration):
+            next(it)
+        state = loader.state_dict()
+    assert head == [0.0, 1.0, 2.0, 3.0]  # chunks of 4: item 5's chunk is 4-7
+    with cp.Loader(_pipe(10), _config(num_workers, pin_memory=False)) as loader:
+        loader.load_state_dict(state)
+        assert [float(t[0]) for t in loader] == [float(i) for i in range(4, 10)]

@@ -396,7 +396,10 @@ class Stream(Capture):
         return len(out) - before
 
     def _take_pinned(self, chunk: Chunk, result: ChunkResult) -> ChunkResult:
-        """The chunk's outputs as the pin thread pinned them."""
+        """The chunk's outputs as the pin thread pinned them. A failure to pin
+        (say, out of pinned memory) is raised once, as itself with a note,
+        and ends the iteration as a central stage's error does; the chunk is
+        not begun, so a checkpoint resumes at its first output."""
         future = chunk.pinned
         while True:
             try:
@@ -406,6 +409,14 @@ class Stream(Capture):
                 if self.stopping:
                     self._ended = True
                     raise RuntimeError("this iterator was superseded while pinning") from None
+            except Exception as exc:
+                exc.add_note(
+                    f"raised while pinning the outputs of item seq {chunk.first_seq} and "
+                    "after (LoaderConfig(pin_memory=True))"
+                )
+                self._end_error = exc
+                self._ending = True
+                self._end()
         result = result._replace(outputs=pinned)
         chunk.result = result
         chunk.pinned = None

@@ -472,6 +472,23 @@ def test_numpy_results_and_inputs_cross(num_workers: int) -> None:
         assert [a.tolist() for a in loader] == [(np.arange(3) * i + 1).tolist() for i in range(5)]
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("chunk_size", [1, 4], ids=["chunk-1", "chunk-4"])
+@pytest.mark.parametrize("num_workers", [0, 2], ids=["inline", "2-workers"])
+def test_fresh_tensors_and_arrays_cross_as_plain_results(num_workers: int, chunk_size: int) -> None:
+    """Chunks whose every output is a fresh tensor or array (moved into the
+    ring as made, and sent as a table of integers when its dtype allows,
+    else pickled): each arrives as the stage made it, for every dtype and
+    layout, read-only arrays included."""
+    batch = [x for x in _every_kind() if isinstance(x, (torch.Tensor, np.ndarray))]
+    pipe = cp.Pipeline.from_iterable(batch).dispatch().map(_fresh)
+    with cp.Loader(pipe, loader_config(num_workers=num_workers, chunk_size=chunk_size)) as loader:
+        got = list(loader)
+    assert len(got) == len(batch)
+    for i, (item, out) in enumerate(zip(batch, got)):
+        assert describe(out) == describe(_fresh(item)), f"item {i}"
+
+
 def test_issue_lambda_numpy_full_with_one_worker() -> None:
     """The report's pipeline, ``.map(lambda x: np.full(4, x))`` with
     ``num_workers=1``, delivers what ``num_workers=0`` does (it raised

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 from centralpipe import checkpoint, metrics, resume
@@ -236,7 +236,13 @@ class Loader(Generic[T]):
             return None
         if starter.workers_ready():
             return None
-        return WarmStart(self._workers_ready, self._ensure_pool, w.num_workers)
+        # Weak: the run must not keep the Loader alive (its finalizer ends
+        # the run, the pool and the start when the Loader is collected).
+        ready, acquire = (
+            weakref.WeakMethod(self._workers_ready),
+            weakref.WeakMethod(self._ensure_pool),
+        )
+        return WarmStart(lambda: _live(ready)(), lambda: _live(acquire)(), w.num_workers)
 
     def _workers_ready(self) -> bool:
         """The background start no longer needs waiting for (or was taken)."""
@@ -527,6 +533,14 @@ class Loader(Generic[T]):
             return
         specs = [*(n.spec for n in self._segments), *self._pipe.worker_stages]
         check_picklable(specs, w.resolved_start_method())
+
+
+def _live(method: weakref.WeakMethod[Callable[[], T]]) -> Callable[[], T]:
+    """The bound method, while its Loader lives."""
+    bound = method()
+    if bound is None:
+        raise RuntimeError("the Loader was garbage collected")
+    return bound
 
 
 class _Pass(Iterator[T]):

@@ -12,6 +12,8 @@ ends everything, a failed start is raised, and the off switches hold.
 from __future__ import annotations
 
 import errno
+import gc
+import weakref
 import functools
 import operator
 import threading
@@ -372,6 +374,22 @@ def test_close_while_running_inline_ends_everything(gate: threading.Event) -> No
     with pytest.raises(RuntimeError, match="superseded"):
         for _ in range(N):
             next(it)
+
+
+@pytest.mark.timeout(60)
+def test_garbage_collected_while_running_inline_leaves_nothing(gate: threading.Event) -> None:
+    """A Loader dropped (with its iterator) while the main process runs items
+    for the starting pool is collected: its finalizer cancels the start and
+    nothing is left (the run holds no strong reference to the Loader)."""
+    loader = cp.Loader(_pipe(), _config(2))
+    it = iter(loader)
+    assert [next(it) for _ in range(5)] == [0, 3, 6, 9, 12]
+    pool = loader._res.starter.pool  # type: ignore[union-attr]
+    alive = weakref.ref(loader)
+    del it, loader
+    gc.collect()
+    assert alive() is None
+    assert pool.shut
 
 
 @pytest.mark.timeout(60)

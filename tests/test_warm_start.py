@@ -12,12 +12,12 @@ ends everything, a failed start is raised, and the off switches hold.
 from __future__ import annotations
 
 import errno
-import gc
-import weakref
 import functools
+import gc
 import operator
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 

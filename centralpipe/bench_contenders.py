@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 import centralpipe as cp
 from centralpipe.bench_workloads import Workload
-from centralpipe.dispatch import pool
+from centralpipe.dispatch import procpool
 
 __all__ = [
     "PEER_START_METHOD",
@@ -87,12 +87,12 @@ def socket_buffers(nbytes: int | None) -> Iterator[None]:
     if nbytes is None:
         yield
         return
-    saved = pool.SOCKET_BUFFER_BYTES
-    pool.SOCKET_BUFFER_BYTES = nbytes
+    saved = procpool.SOCKET_BUFFER_BYTES
+    procpool.SOCKET_BUFFER_BYTES = nbytes
     try:
         yield
     finally:
-        pool.SOCKET_BUFFER_BYTES = saved
+        procpool.SOCKET_BUFFER_BYTES = saved
 
 
 def run_serial(w: Workload) -> Timing:

@@ -21,10 +21,12 @@ from centralpipe.dispatch.boundary import Policy, Run, StreamPlan, WarmStart, id
 from centralpipe.dispatch.chain import WorkerChain
 from centralpipe.dispatch.guard import hold
 from centralpipe.dispatch.pinning import make_pinner
-from centralpipe.dispatch.pool import Executor, ProcessPool, ThreadPool, warm_up
+from centralpipe.dispatch.pool import Executor
 from centralpipe.dispatch.preload import server_preload
+from centralpipe.dispatch.procpool import ProcessPool, warm_up
 from centralpipe.dispatch.reorder import StreamStats
 from centralpipe.dispatch.starter import BACKGROUND_METHODS, BackgroundStart
+from centralpipe.dispatch.threadpool import ThreadPool
 from centralpipe.dispatch.worker import WorkerSpec
 from centralpipe.errors import PipelineError
 from centralpipe.launchers import warn_if_duplicating

@@ -14,7 +14,7 @@ import pytest
 
 import centralpipe as cp
 from centralpipe.dispatch import protocol, sender
-from centralpipe.dispatch.pool import ProcessPool
+from centralpipe.dispatch.procpool import ProcessPool
 from centralpipe.dispatch.protocol import (
     STATUS_LEN,
     STATUS_SEQ,

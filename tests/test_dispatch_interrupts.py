@@ -33,7 +33,7 @@ from centralpipe import faults
 from centralpipe.dispatch import protocol, sender, shm
 from centralpipe.dispatch.budget import ResultBytes
 from centralpipe.dispatch.chain import WorkerChain
-from centralpipe.dispatch.pool import ProcessPool
+from centralpipe.dispatch.procpool import ProcessPool
 from centralpipe.dispatch.reorder import Stream
 from centralpipe.testing import collect
 from tests._configs import loader_config

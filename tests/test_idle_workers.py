@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import centralpipe as cp
-from centralpipe.dispatch import pool, supervisor
+from centralpipe.dispatch import procpool, supervisor
 from tests import faulty
 
 N = 200
@@ -73,7 +73,7 @@ def test_worker_hung_during_start_up_is_replaced(
 
     marker = str(tmp_path / "hung")
     monkeypatch.setattr(
-        pool, "worker_main", functools.partial(_hang_first_start, marker, pool.worker_main)
+        procpool, "worker_main", functools.partial(_hang_first_start, marker, procpool.worker_main)
     )
     monkeypatch.setattr(supervisor, "STARTUP_GRACE_S", 1.0)
     with caplog.at_level(logging.WARNING, logger="centralpipe"), _loader(chunk_size=4) as loader:

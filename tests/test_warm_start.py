@@ -25,7 +25,7 @@ import pytest
 
 import centralpipe as cp
 from centralpipe.dispatch.chain import WorkerChain
-from centralpipe.dispatch.pool import ProcessPool
+from centralpipe.dispatch.procpool import ProcessPool
 from centralpipe.errors import ConfigError, WorkerError
 from centralpipe.testing import collect
 from tests.test_dispatch_interrupts import _interrupt_at, _sweep

@@ -18,8 +18,9 @@ Modules, by role:
   outputs moved into the ring as the worker stages make them.
 - ``chain``      the worker stages run over one chunk (in a worker or inline).
 - ``worker``     the worker loop, for a process or a thread.
-- ``pool``       the executors: worker processes or threads; start, replace,
-  shut down.
+- ``pool``       what the executors share: slots, events, the interface.
+- ``procpool``   worker processes: start, replace, shut down; the forkserver.
+- ``threadpool`` worker threads in this process.
 - ``pull``       pulling a chunk from the central chain into a stream.
 - ``sender``     sending chunks round-robin; the drivers (inline, feeder
   thread, parallel stage).

@@ -25,7 +25,8 @@ from typing import Any
 from centralpipe.dispatch import protocol
 from centralpipe.dispatch.budget import ResultBytes
 from centralpipe.dispatch.guard import join_started
-from centralpipe.dispatch.pool import Executor, ProcessPool, Slot
+from centralpipe.dispatch.pool import Executor, Slot
+from centralpipe.dispatch.procpool import ProcessPool
 from centralpipe.dispatch.protocol import MSG_RESULT, MSG_STATES, Chunk, StageFailure
 from centralpipe.dispatch.reorder import Stream, StreamStats, logger
 from centralpipe.errors import WorkerError

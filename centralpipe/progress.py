@@ -99,18 +99,6 @@ def progress(
         rank = loader.config.distributed.rank
     tqdm_kwargs.setdefault("disable", rank != 0)
     tqdm_kwargs.setdefault("mininterval", min_interval_s)
-    return _iterate(loader, stage, total, unit, desc, min_interval_s, tqdm_kwargs)
-
-
-def _iterate(
-    loader: Loader[T],
-    stage: str,
-    total: float | None,
-    unit: str,
-    desc: str | None,
-    min_interval_s: float,
-    tqdm_kwargs: dict[str, Any],
-) -> Iterator[T]:
     # Lazy, as a generator would be: the pass starts at the first ``next()``
     # (starting a new epoch resets the count stage, and a resumed loader
     # reports the checkpoint's totals only from there on).

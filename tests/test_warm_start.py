@@ -28,7 +28,7 @@ from centralpipe.dispatch.chain import WorkerChain
 from centralpipe.dispatch.procpool import ProcessPool
 from centralpipe.errors import ConfigError, WorkerError
 from centralpipe.testing import collect
-from tests.test_dispatch_interrupts import _interrupt_at, _sweep
+from tests.test_dispatch_interrupts import _interrupt_at, _once_at, _sweep
 
 N = 200
 #: Bound on waiting for the workers once the gate is open (a loaded machine).
@@ -264,20 +264,6 @@ def test_a_checkpoint_resumes_in_a_loader_that_is_warming_up(gate: threading.Eve
         _open_and_wait(gate, fresh)
         assert got + list(it) == expected
         _handed_over(fresh)
-
-
-def _once_at(real: Callable[..., Any], nth: int, after: bool) -> Callable[..., Any]:
-    count = [0]
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
-        if count[0] != nth:
-            return real(*args, **kwargs)
-        if after:
-            real(*args, **kwargs)
-        raise KeyboardInterrupt
-
-    return wrapper
 
 
 @pytest.mark.timeout(60)

@@ -17,16 +17,7 @@ from centralpipe.config import START_METHODS
 def test_startup_child_times_a_first_and_a_later_loader() -> None:
     """The fresh process the startup section runs (here with the option that
     keeps torch out of the server) prints two positive times."""
-    args = ["fork", "0", FUNCTIONS[NO_TORCH_IN_SERVER], "light"]
-    done = subprocess.run(
-        [sys.executable, "-c", bench_transport._CHILD, *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    first, later = (float(x) for x in done.stdout.split())
-    assert first > 0 and later > 0
+    _assert_child_times(["fork", "0", FUNCTIONS[NO_TORCH_IN_SERVER], "light"])
 
 
 def test_startup_rows_and_targets() -> None:
@@ -108,8 +99,13 @@ def test_startup_section_measures_every_start_method_first_and_later(
 def test_startup_child_runs_for_the_other_start_methods(method: str) -> None:
     """The startup section's fresh process times a first and a later Loader
     under forkserver and spawn too."""
+    _assert_child_times([method, "0", "builtins:abs", "auto"])
+
+
+def _assert_child_times(args: list[str]) -> None:
+    """The startup section's child, run with ``args``, prints two positive times."""
     done = subprocess.run(
-        [sys.executable, "-c", bench_transport._CHILD, method, "0", "builtins:abs", "auto"],
+        [sys.executable, "-c", bench_transport._CHILD, *args],
         capture_output=True,
         text=True,
         timeout=120,

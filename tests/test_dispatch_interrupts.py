@@ -153,6 +153,19 @@ def _once_at(real: Callable[..., Any], nth: int, after: bool = False) -> Callabl
     return wrapper
 
 
+def _interrupted_next_goes_on(
+    k: int, loader: cp.Loader[Any], it: Iterator[Any], got: list[Any], expected: list[Any]
+) -> tuple[bool, dict[str, Any], int]:
+    """An interrupt at event ``k`` of the next ``next()``; the same iterator
+    then gives exactly the rest. Whether it landed, and the checkpoint taken
+    right after it with the count of items delivered by then."""
+    landed = _interrupt_at(k, lambda: got.append(next(it)))
+    sd, at = loader.state_dict(), len(got)
+    got.extend(it)
+    assert got == expected, f"interrupt at event {k}"
+    return landed, sd, at
+
+
 def _check_continue_and_resume(
     kind: str, monkeypatch: pytest.MonkeyPatch, patch: Callable[[], None]
 ) -> tuple[list[Any], cp.Loader[Any]]:
@@ -502,10 +515,7 @@ def test_ctrl_c_anywhere_in_a_later_next(kind: str) -> None:
         with cp.Loader(pipe, config) as loader:
             it = iter(loader)
             got = [next(it) for _ in range(8)]  # the first chunk: the next next() pulls
-            landed = _interrupt_at(k, lambda: got.append(next(it)))
-            sd, at = loader.state_dict(), len(got)
-            got.extend(it)
-            assert got == expected, f"interrupt at event {k}"
+            landed, sd, at = _interrupted_next_goes_on(k, loader, it, got, expected)
         with cp.Loader(pipe, config) as fresh:
             fresh.load_state_dict(sd)
             assert got[:at] + collect(fresh) == expected, f"interrupt at event {k}"

@@ -28,7 +28,7 @@ from centralpipe.dispatch.chain import WorkerChain
 from centralpipe.dispatch.procpool import ProcessPool
 from centralpipe.errors import ConfigError, WorkerError
 from centralpipe.testing import collect
-from tests.test_dispatch_interrupts import _interrupt_at, _once_at, _sweep
+from tests.test_dispatch_interrupts import _interrupted_next_goes_on, _once_at, _sweep
 
 N = 200
 #: Bound on waiting for the workers once the gate is open (a loaded machine).
@@ -308,10 +308,7 @@ def test_ctrl_c_anywhere_in_the_hand_over(gate: threading.Event) -> None:
             it = iter(loader)
             got = [next(it) for _ in range(8)]  # one whole inline chunk
             _open_and_wait(gate, loader)
-            landed = _interrupt_at(k, lambda: got.append(next(it)))
-            sd, at = loader.state_dict(), len(got)
-            got.extend(it)
-            assert got == expected, f"interrupt at event {k}"
+            landed, sd, at = _interrupted_next_goes_on(k, loader, it, got, expected)
             _handed_over(loader)
         with cp.Loader(pipe, _config(0)) as fresh:
             fresh.load_state_dict(sd)
@@ -333,10 +330,7 @@ def test_ctrl_c_anywhere_in_an_inline_next(gate: threading.Event) -> None:
         with cp.Loader(pipe, _config(2)) as loader:
             it = iter(loader)
             got = [next(it) for _ in range(8)]  # the first chunk: the next next() pulls
-            landed = _interrupt_at(k, lambda: got.append(next(it)))
-            sd, at = loader.state_dict(), len(got)
-            got.extend(it)
-            assert got == expected, f"interrupt at event {k}"
+            landed, sd, at = _interrupted_next_goes_on(k, loader, it, got, expected)
             assert loader.metrics()["dispatch"]["items_per_worker"] == [0, 0]
         with cp.Loader(pipe, _config(0)) as fresh:
             fresh.load_state_dict(sd)

@@ -20,7 +20,8 @@ prints a markdown report:
   (:mod:`centralpipe.bench_seed`).
 
 The report is rendered by :mod:`centralpipe.bench_report`. Sizes suit a
-2-core machine; ``--quick`` divides them by ten.
+2-core machine; ``--quick`` divides them by ten, ``--scale N`` by N (the
+tests use a large N: they check the report's shape, not its figures).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ __all__ = ["add_arguments", "full_array", "full_tensor", "inc", "main", "run"]
 WORKLOADS = ("tiny", "cpu", "tensor", "numpy", "tensor4m", "mixed")
 #: Workloads whose items are large buffers: measured with capped socket buffers too.
 TRANSPORT_WORKLOADS = ("tensor", "numpy", "tensor4m", "mixed")
+#: What ``--quick`` divides every size by.
+QUICK_SCALE = 10
 SECTIONS = (*WORKLOADS, "state", "stages", "startup", "seed")
 #: Workers of the cold ``cpu`` epoch.
 COLD_WORKERS = 2
@@ -133,7 +136,8 @@ def _log(msg: str) -> None:
 
 def run(
     *,
-    quick: bool,
+    quick: bool = False,
+    scale: int | None = None,
     workers: Sequence[int],
     only: Sequence[str],
     start_method: str | None,
@@ -150,7 +154,8 @@ def run(
     ``socket_bytes``: centralpipe's worker pipes ask for socket buffers of that
     size (default: the library's own request)."""
     started = time.perf_counter()
-    scale = 10 if quick else 1
+    if scale is None:
+        scale = QUICK_SCALE if quick else 1
     res = Results(repeat=repeat, retries=retries, socket_bytes=socket_bytes)
     meter = CpuMeter()
     run_start = meter.read()
@@ -275,7 +280,17 @@ def _sections(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="sizes divided by 10 (for tests)")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"sizes divided by {QUICK_SCALE} (a short run)"
+    )
+    parser.add_argument(
+        "--scale",
+        type=int,
+        default=None,
+        metavar="N",
+        help="sizes divided by N (overrides --quick; the tests run a large N to check the "
+        "tables, not the figures)",
+    )
     parser.add_argument(
         "--workers",
         type=_int_list,
@@ -330,11 +345,15 @@ def main(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.scale is not None and args.scale < 1:
+        print(f"bench: --scale must be >= 1, got {args.scale}.", file=sys.stderr)
+        return 2
     if args.socket_buffer is not None and args.socket_buffer < 4096:
         print(f"bench: --socket-buffer must be >= 4096, got {args.socket_buffer}.", file=sys.stderr)
         return 2
     res = run(
         quick=args.quick,
+        scale=args.scale,
         workers=args.workers,
         only=args.only,
         start_method=args.start_method,

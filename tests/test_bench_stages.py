@@ -30,9 +30,9 @@ def test_measure_reports_every_stage_and_target() -> None:
 
 @pytest.mark.timeout(BENCH_TIMEOUT_S + 30)
 def test_bench_only_stages_prints_the_section() -> None:
-    """`bench --quick --only stages` prints the central-stage table and its targets."""
+    """`bench --scale 100 --only stages` prints the central-stage table and its targets."""
     proc = subprocess.run(
-        [sys.executable, "-m", "centralpipe", "bench", "--quick", "--only", "stages"],
+        [sys.executable, "-m", "centralpipe", "bench", "--scale", "100", "--only", "stages"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -20,9 +20,9 @@ BENCH_TIMEOUT_S = 180
 @pytest.mark.slow
 @pytest.mark.timeout(BENCH_TIMEOUT_S + 30)
 def test_quick_transport_bench_prints_its_tables() -> None:
-    """`bench --quick --only tensor,mixed --workers 1` prints the throughput and
+    """`bench --scale 100 --only tensor,mixed --workers 1` prints the throughput and
     transport tables, the capped rows and the shared-memory share."""
-    args = ["bench", "--quick", "--only", "tensor,mixed", "--workers", "1", "--retries", "0"]
+    args = ["bench", "--scale", "100", "--only", "tensor,mixed", "--workers", "1", "--retries", "0"]
     proc = subprocess.run(
         [sys.executable, "-m", "centralpipe", *args],
         capture_output=True,

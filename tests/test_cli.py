@@ -53,9 +53,9 @@ def test_unknown_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) ->
 @pytest.mark.slow
 @pytest.mark.timeout(BENCH_TIMEOUT_S + 30)
 def test_quick_bench_prints_a_table() -> None:
-    """`bench --quick --only tiny,state --workers 1` runs and prints markdown tables."""
+    """`bench --scale 100 --only tiny,state --workers 1` runs and prints markdown tables."""
     proc = _cli(
-        "bench", "--quick", "--only", "tiny,state", "--workers", "1", timeout=BENCH_TIMEOUT_S
+        "bench", "--scale", "100", "--only", "tiny,state", "--workers", "1", timeout=BENCH_TIMEOUT_S
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
@@ -72,7 +72,8 @@ def test_bench_help_lists_its_options(capsys: pytest.CaptureFixture[str]) -> Non
         main(["bench", "--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for option in ("--quick", "--workers", "--only", "--repeat", "--retries", "--start-method"):
+    options = ("--quick", "--scale", "--workers", "--only", "--repeat", "--retries")
+    for option in (*options, "--start-method"):
         assert option in out
 
 
@@ -84,6 +85,13 @@ def test_bench_rejects_an_unknown_section(capsys: pytest.CaptureFixture[str]) ->
     err = capsys.readouterr().err
     assert "gpu" in err
     assert ",".join(SECTIONS) in err  # every section, e.g. tiny,cpu,...,stages
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_bench_rejects_a_scale_below_one(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--scale` below 1 is refused with exit status 2 before anything runs."""
+    assert main(["bench", "--scale", value, "--only", "tiny"]) == 2
+    assert f"--scale must be >= 1, got {value}" in capsys.readouterr().err
 
 
 def _checkpoint(tmp_path: Path) -> Path:
@@ -255,10 +263,12 @@ def test_soak_without_its_module_exits_2(
 @pytest.mark.slow
 @pytest.mark.timeout(BENCH_TIMEOUT_S + 30)
 def test_quick_seed_bench_prints_its_table() -> None:
-    """`bench --quick --only seed` prints one row per tokenizer and contender, and the targets."""
+    """`bench --scale 100 --only seed` prints a row per tokenizer and contender, and the targets."""
     from centralpipe import bench_seed
 
-    proc = _cli("bench", "--quick", "--only", "seed", "--workers", "2", timeout=BENCH_TIMEOUT_S)
+    proc = _cli(
+        "bench", "--scale", "100", "--only", "seed", "--workers", "2", timeout=BENCH_TIMEOUT_S
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     out = proc.stdout

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,7 @@ INT_KINDS: dict[str, Num] = {
 WEIGHT_KINDS: dict[str, Num] = {
     **INT_KINDS,
     "float": lambda n: n / 2,
+    "fraction": lambda n: Fraction(n, 2),
     "numpy-float64": lambda n: np.float64(n / 2),
     "numpy-float32": lambda n: np.float32(n / 2),
     "tensor-0d-float32": lambda n: torch.tensor(n / 2),

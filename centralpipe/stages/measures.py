@@ -43,7 +43,9 @@ def _got(raw: Any) -> str:
     text = repr(raw)
     if len(text) > 60:
         text = text[:57] + "..."
-    return f"{text} ({type(raw).__module__}.{type(raw).__qualname__})".replace("builtins.", "")
+    kind = type(raw)
+    module = "" if kind.__module__ == "builtins" else f"{kind.__module__}."
+    return f"{text} ({module}{kind.__qualname__})"
 
 
 def _is_bool(raw: Any) -> bool:
@@ -75,15 +77,17 @@ def as_weight(raw: Any, stage: str) -> int | float:
     """``weight_fn``'s ``raw`` result as a Python ``int`` or finite ``float``;
     else a ``PipelineError`` naming ``stage`` (see the module docstring)."""
     value: Any = None
-    if _is_bool(raw):
-        pass
-    elif isinstance(raw, torch.Tensor):
-        if raw.numel() == 1 and not raw.is_complex():
+    if isinstance(raw, torch.Tensor):
+        if raw.numel() == 1 and raw.dtype != torch.bool and not raw.is_complex():
             value = raw.item()
-    elif isinstance(raw, numbers.Integral):
-        value = operator.index(raw)
-    elif isinstance(raw, numbers.Real):
+    elif isinstance(raw, float):  # numpy's float64 too
         value = float(raw)
+    elif not isinstance(raw, bool):
+        try:
+            value = operator.index(raw)  # numpy integers (not numpy's bool)
+        except TypeError:
+            if isinstance(raw, numbers.Real):  # other numpy floats, Fraction
+                value = float(raw)
     if type(value) is int or (type(value) is float and math.isfinite(value)):
         return value
     msg = (

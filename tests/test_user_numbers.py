@@ -229,8 +229,13 @@ BAD_WEIGHTS: dict[str, Any] = {
 
 @pytest.mark.parametrize("raw", list(BAD_WEIGHTS.values()), ids=list(BAD_WEIGHTS))
 def test_bad_weight_is_a_pipeline_error_naming_the_stage(raw: Any) -> None:
-    """A weight that is not a finite number is a `PipelineError` naming the stage."""
-    pipe = cp.Pipeline.from_iterable(range(4)).count("c", weight_fn=lambda x: raw)
-    match = r"stage 'c': weight_fn must return a finite number .*got "
-    with cp.Loader(pipe) as loader, pytest.raises(cp.PipelineError, match=match):
-        next(iter(loader))
+    """A weight that is not a finite number is a `PipelineError` naming the stage
+    and the item; the items before it were counted."""
+    pipe = cp.Pipeline.from_iterable(range(4)).count("c", weight_fn=lambda x: 1 if x < 2 else raw)
+    match = r"stage 'c': weight_fn must return a finite number .*got .* for item 2 of this epoch"
+    with cp.Loader(pipe, LOCKSTEP) as loader:
+        it = iter(loader)
+        assert [next(it), next(it)] == [0, 1]
+        with pytest.raises(cp.PipelineError, match=match):
+            next(it)
+        assert loader.query("c") == {"items": 2, "weight": 2}

@@ -72,7 +72,7 @@ class Count(CentralNode[Any]):
                 w = self._weight_fn(item)
                 # Fast path: an int, or a finite float (inf - inf and nan - nan are nan).
                 if type(w) is not int and not (type(w) is float and w - w == 0.0):
-                    w = as_weight(w, self.name)
+                    w = as_weight(w, self.name, self.items)
                 self.weight += w
             except BaseException as exc:
                 if not isinstance(exc, Exception):  # interrupted: counted by the next call

@@ -73,9 +73,10 @@ def as_length(raw: Any, stage: str) -> int:
     return n
 
 
-def as_weight(raw: Any, stage: str) -> int | float:
+def as_weight(raw: Any, stage: str, at: int | None = None) -> int | float:
     """``weight_fn``'s ``raw`` result as a Python ``int`` or finite ``float``;
-    else a ``PipelineError`` naming ``stage`` (see the module docstring)."""
+    else a ``PipelineError`` naming ``stage`` (and the item's index ``at`` in
+    the stage's input this epoch; see the module docstring)."""
     value: Any = None
     if isinstance(raw, torch.Tensor):
         if raw.numel() == 1 and raw.dtype != torch.bool and not raw.is_complex():
@@ -90,8 +91,9 @@ def as_weight(raw: Any, stage: str) -> int | float:
                 value = float(raw)
     if type(value) is int or (type(value) is float and math.isfinite(value)):
         return value
+    where = "" if at is None else f" for item {at} of this epoch"
     msg = (
         f"stage '{stage}': weight_fn must return a finite number (an int or float, a numpy "
-        f"number, or a one-element tensor), got {_got(raw)}."
+        f"number, or a one-element tensor), got {_got(raw)}{where}."
     )
     raise PipelineError(msg)

@@ -84,13 +84,22 @@ def check_pipeline(ckpt: Checkpoint, want: Expected) -> dict[str, Any]:
             node.check_state(states[node.name], states)
         except FieldError as exc:
             _fail(f"central['{node.name}'].{exc.field}", exc.expected, exc.value)
+    # A boundary's seq counter cannot pass what the stages feeding it have
+    # yielded: the whole chain's for the tip, the stages before it for a
+    # parallel stage (its seqs number its inputs).
     bound: int | None = None
+    inputs: dict[str, int | None] = {}
     for node in want.nodes:
+        inputs[node.name] = bound
         bound = node.max_items_out(states[node.name], bound)
     for name, flight in ckpt.in_flight.items():
         path = f"in_flight['{name}']"
         if name == want.tip and bound is not None and flight.next_seq > bound:
             expected = f"<= {bound} (the items the central stages have yielded, by their state)"
+            _fail(f"{path}.next_seq", expected, flight.next_seq)
+        fed = inputs.get(name) if name != want.tip else None
+        if fed is not None and flight.next_seq > fed:
+            expected = f"<= {fed} (the items the stages before it have yielded, by their state)"
             _fail(f"{path}.next_seq", expected, flight.next_seq)
         _check_boundary(path, name, flight, ckpt, want, states)
     return states

@@ -310,3 +310,94 @@ def test_restore_failure_mid_pass_keeps_that_pass_position() -> None:
         with pytest.raises(RuntimeError, match="superseded"):
             next(it)
         assert head + collect(loader) == epoch
+
+
+def _square(x: int) -> int:
+    return x * x
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["inline", "2-workers"])
+def test_parallel_stage_next_seq_past_its_source_is_refused(workers: int) -> None:
+    """A source index lowered below a parallel stage's `next_seq` is refused at
+    load (it resumed 101 items of 100: the items between were sent twice)."""
+    pipe = (
+        cp.Pipeline.from_iterable(range(100))
+        .map(_square, parallel=True, name="sq")
+        .batch(2)
+        .dispatch()
+    )
+    config = loader_config(num_workers=workers, buffer_size=6, chunk_size=3)
+    with cp.Loader(pipe, config) as loader:
+        it = iter(loader)
+        head = [next(it) for _ in range(4)]
+        state = loader.state_dict()
+    good = copy.deepcopy(state)
+    next_seq = state["in_flight"]["sq"]["next_seq"]
+    state["central"]["source"]["index"] = next_seq - 1
+    match = (
+        rf"in_flight\['sq'\]\.next_seq must be <= {next_seq - 1} \(the items the stages "
+        rf"before it have yielded, by their state\), got {next_seq}"
+    )
+    with cp.Loader(pipe, config) as loader:
+        with pytest.raises(cp.CheckpointError, match=match):
+            loader.load_state_dict(state)
+        loader.load_state_dict(good)
+        rest = collect(loader)
+    assert [x for batch in head + rest for x in batch] == [x * x for x in range(100)]
+
+
+def _pack_state() -> tuple[cp.Pipeline, dict[str, Any], list[Any]]:
+    """A pack(16) pipeline, its checkpoint with open groups, and the whole epoch."""
+    lengths = [5, 9, 7, 3, 8, 6, 2, 9, 4, 7, 5, 3, 8, 6, 1, 9, 2, 4]
+    items = [[i] * n for i, n in enumerate(lengths)]
+    pipe = cp.Pipeline.from_iterable(items).pack(16, buffer_size=6, name="p").dispatch()
+    config = loader_config(buffer_size=1, chunk_size=1)
+    with cp.Loader(pipe, config) as loader:
+        it = iter(loader)
+        head = [next(it)]
+        state = loader.state_dict()
+        rest = list(it)
+    assert state["central"]["p"]["groups"], "the checkpoint must hold open groups"
+    return pipe, state, head + rest
+
+
+def _overfill(group: list[Any]) -> None:
+    room, items = group
+    items.append([99] * (room + 1))  # one token more than the group has room for
+
+
+PACK_DAMAGES: dict[str, tuple[Callable[[list[Any]], None], str]] = {
+    "item-added": (
+        _overfill,
+        r"central\['p'\]\.groups\[0\]\[1\] must be items of at most max_tokens=16 tokens "
+        r"in all, got '17 tokens'",
+    ),
+    "room-raised": (
+        lambda group: group.__setitem__(0, group[0] + 1),
+        r"central\['p'\]\.groups\[0\]\[0\] must be max_tokens less the group's \d+ tokens",
+    ),
+    "room-lowered": (
+        lambda group: group.__setitem__(0, group[0] - 1),
+        r"central\['p'\]\.groups\[0\]\[0\] must be max_tokens less the group's \d+ tokens",
+    ),
+    "item-removed": (
+        lambda group: group[1].pop(0) if len(group[1]) > 1 else group[1].append([7]),
+        r"central\['p'\]\.groups\[0\]\[0\] must be max_tokens less the group's \d+ tokens",
+    ),
+}
+
+
+@pytest.mark.parametrize(("mutate", "match"), list(PACK_DAMAGES.values()), ids=list(PACK_DAMAGES))
+def test_pack_group_room_must_match_its_items(
+    mutate: Callable[[list[Any]], None], match: str
+) -> None:
+    """An open group whose `room` is not max_tokens less its items' lengths is refused
+    at load (an edit once made a 17-token group under max_tokens=16)."""
+    pipe, state, epoch = _pack_state()
+    good = copy.deepcopy(state)
+    mutate(state["central"]["p"]["groups"][0])
+    with cp.Loader(pipe, CONFIG) as loader:
+        with pytest.raises(cp.CheckpointError, match=match):
+            loader.load_state_dict(state)
+        loader.load_state_dict(good)
+        assert collect(loader) == epoch[1:]

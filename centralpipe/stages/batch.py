@@ -6,7 +6,10 @@ into a min-heap keyed by length; whenever the heap holds ``buffer_size`` items
 and the batch is emitted when adding the next item would exceed
 ``max_tokens``. Ties in length keep arrival order (torchdata compared the items
 themselves, which fails for items that do not order). An item longer than
-``max_tokens`` is emitted alone; an empty batch is never emitted.
+``max_tokens`` is emitted alone; an empty batch is never emitted. A length is
+an ``int >= 0`` (a numpy integer or a one-element integer tensor is made one);
+anything else — a float, ``nan``, a negative number, a ``str`` — is a
+``PipelineError`` naming the stage (:mod:`centralpipe.stages.measures`).
 
 Both keep what they pulled in their state, never in a local variable across a
 call that an interrupt (Ctrl-C) can cut short: ``batch`` gathers its group in
@@ -27,6 +30,7 @@ from torchdata.nodes import BaseNode
 
 from centralpipe.pipeline import StageSpec
 from centralpipe.stages.base import HELD, CentralNode, HeldState, RunContext, Total
+from centralpipe.stages.measures import as_length
 from centralpipe.validators import FieldError, checked, int_in, sequence_of
 
 __all__ = ["Batch", "BucketByMaxTokens", "BucketState"]
@@ -169,6 +173,8 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
                         break
                     try:
                         length = self._len_fn(item)
+                        if type(length) is not int or length < 0:
+                            length = as_length(length, self.name)
                     except BaseException as exc:
                         if not isinstance(exc, Exception):  # interrupted: the next call retries
                             held.append(item)

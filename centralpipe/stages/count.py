@@ -1,7 +1,10 @@
 """``count``: passes items through and keeps queryable totals.
 
 State ``{"items": n, "weight": w}``; ``weight`` sums ``weight_fn(item)``, or
-counts items without one. Placed before ``shard()``, it counts the whole
+counts items without one. A weight is a finite number, kept as a Python
+``int`` or ``float`` (numpy scalars and one-element tensors are converted, so
+no two totals share a tensor); anything else is a ``PipelineError`` naming the
+stage (:mod:`centralpipe.stages.measures`). Placed before ``shard()``, it counts the whole
 central stream on every rank — the pre-shard progress a progress bar shows.
 An interrupt inside ``weight_fn`` leaves the item held (uncounted) for the
 next ``next()``.
@@ -17,6 +20,7 @@ from torchdata.nodes import BaseNode
 
 from centralpipe.pipeline import StageSpec
 from centralpipe.stages.base import HELD, CentralNode, RunContext, Total
+from centralpipe.stages.measures import as_weight
 from centralpipe.validators import NUMBER, FieldError, checked, int_in
 
 __all__ = ["Count", "CountState"]
@@ -65,7 +69,11 @@ class Count(CentralNode[Any]):
             self.weight += 1
         else:
             try:
-                self.weight += self._weight_fn(item)
+                w = self._weight_fn(item)
+                # Fast path: an int, or a finite float (inf - inf and nan - nan are nan).
+                if type(w) is not int and not (type(w) is float and w - w == 0.0):
+                    w = as_weight(w, self.name, self.items)
+                self.weight += w
             except BaseException as exc:
                 if not isinstance(exc, Exception):  # interrupted: counted by the next call
                     held.append(item)

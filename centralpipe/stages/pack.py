@@ -18,6 +18,12 @@ naming the stage and the length (``oversize="raise"``), or is dropped and
 counted (``"drop"``). The state is the open groups (their items) and the totals
 behind the fill rate (tokens in emitted groups / their capacity).
 
+A length is an ``int >= 0`` (a numpy integer or a one-element integer tensor
+is made one); anything else is a ``PipelineError`` naming the stage
+(:mod:`centralpipe.stages.measures`). A checkpoint's open groups are measured
+again when it is loaded: a group whose ``room`` is not ``max_tokens`` less its
+items' lengths is refused.
+
 An item stays in ``held`` (the state) from the moment it is pulled until it
 is in a group, and a full group leaves at the start of the next call if an
 interrupt (Ctrl-C) came first: an interrupted call loses nothing, and the
@@ -31,7 +37,6 @@ group slots in age order.
 from __future__ import annotations
 
 import bisect
-import operator
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -43,6 +48,7 @@ from torchdata.nodes import BaseNode
 from centralpipe.errors import PipelineError
 from centralpipe.pipeline import StageSpec
 from centralpipe.stages.base import HELD, CentralNode, RunContext, Total
+from centralpipe.stages.measures import as_length
 from centralpipe.validators import FieldError, checked, int_in, sequence_of
 
 __all__ = ["STRATEGIES", "Pack", "PackState"]
@@ -244,15 +250,8 @@ class Pack(CentralNode[list[Any]]):
                 self._place(gid, item, n)
 
     def _length(self, item: Any) -> int:
-        raw = self._len_fn(item)
-        try:
-            n = operator.index(raw)
-        except TypeError:
-            n = -1
-        if n < 0 or isinstance(raw, bool):
-            msg = f"stage '{self.name}': len_fn must return an int >= 0, got {raw!r}."
-            raise PipelineError(msg)
-        return n
+        n = self._len_fn(item)
+        return n if type(n) is int and n >= 0 else as_length(n, self.name)
 
     def _find(self, n: int) -> int | None:
         if self._best:
@@ -364,11 +363,12 @@ class Pack(CentralNode[list[Any]]):
         # the groups may hold one item more than buffer_size (the oldest leaves next).
         self.check_held(state.held, 0 if state.draining else 1)
         full = 0
-        for i, (room, _items) in enumerate(state.groups):
+        for i, (room, items) in enumerate(state.groups):
             if not 0 <= room <= self._max or (room == 0 and full):
                 expected = f"room in 0..max_tokens={self._max}, 0 for one group at most"
                 raise FieldError(f"groups[{i}][0]", expected, room)
             full += room == 0
+            self._check_room(i, room, items)
         held = sum(len(items) for _, items in state.groups)
         if held > self._buffer_size + 1:
             expected = f"at most buffer_size + 1 = {self._buffer_size + 1} items in open groups"
@@ -376,6 +376,24 @@ class Pack(CentralNode[list[Any]]):
         if state.tokens > state.emitted * self._max:
             expected = f"<= emitted * max_tokens = {state.emitted * self._max}"
             raise FieldError("tokens", expected, state.tokens)
+
+    def _check_room(self, i: int, room: int, items: list[Any]) -> None:
+        """Open group ``i``'s ``room`` is ``max_tokens`` less its items' lengths
+        (``len_fn`` measures them again: at most ``buffer_size + 1`` calls)."""
+        try:
+            used = sum(self._length(item) for item in items)
+        except Exception as exc:
+            expected = "items that len_fn measures"
+            raise FieldError(f"groups[{i}][1]", expected, f"{type(exc).__name__}: {exc}") from None
+        if used > self._max:
+            expected = f"items of at most max_tokens={self._max} tokens in all"
+            raise FieldError(f"groups[{i}][1]", expected, f"{used} tokens")
+        if room != self._max - used:
+            expected = (
+                f"max_tokens less the group's {used} tokens = {self._max} - {used} = "
+                f"{self._max - used}"
+            )
+            raise FieldError(f"groups[{i}][0]", expected, room)
 
     def max_items_out(self, state: PackState, bound_in: int | None) -> int | None:
         return state.emitted

@@ -78,13 +78,22 @@ def test_a_stage_that_ends_its_process_costs_one_worker_restart(tmp_path: Path) 
         assert json.loads(line) == expected, how
 
 
+#: Where the function runs: a worker stage, or a parallel central stage.
+STAGES = {
+    "worker-stage": lambda src: src.dispatch().map(faulty.with_pid),
+    "parallel-stage": lambda src: src.map(faulty.with_pid, parallel=True).dispatch(),
+}
+
+
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
-def test_no_item_runs_in_the_main_process(method: str) -> None:
+def test_no_item_runs_in_the_main_process(method: str, stage: str) -> None:
     """num_workers=2 with the default config: every item of epoch 1 and epoch
     2 ran in a worker, never in the main process, and both workers ran items
-    in each epoch (N items make several chunks, sent round-robin)."""
-    pipe = cp.Pipeline.from_iterable(range(N)).dispatch().map(faulty.with_pid)
+    in each epoch (N items make several chunks, sent round-robin); for a
+    worker stage and a parallel central stage."""
+    pipe = STAGES[stage](cp.Pipeline.from_iterable(range(N)))
     config = cp.LoaderConfig(workers=cp.WorkerConfig(num_workers=2, start_method=method))
     with cp.Loader(pipe, config) as loader:
         for epoch in (1, 2):

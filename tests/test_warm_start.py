@@ -268,6 +268,30 @@ def test_what_cannot_cross_fails_inline_as_with_workers(
 
 
 @pytest.mark.timeout(60)
+def test_a_parallel_stage_result_that_cannot_cross_fails_inline_as_with_workers(
+    gate: threading.Event,
+) -> None:
+    """A parallel central stage's result that cannot be rebuilt in the main
+    process is the same WorkerError after the same items whether a worker
+    ran it or the main process while the pool starts."""
+    pipe = (
+        cp.Pipeline.from_iterable(range(N))
+        .map(_result_not_rebuilt, parallel=True, name="par")
+        .dispatch()
+    )
+    gate.set()
+    with cp.Loader(pipe, _config(2, "fork")) as workers:
+        expected = _outcome(workers)
+    gate.clear()
+    out, error, _ = expected
+    assert out == [3 * x for x in range(BAD)]
+    assert error is not None and error[1:3] == ("par", BAD)
+    with cp.Loader(pipe, _config(2)) as loader:  # the pool held back
+        assert _outcome(loader) == expected
+        assert sum(loader.metrics()["par"]["parallel"]["items_per_worker"]) == 0
+
+
+@pytest.mark.timeout(60)
 def test_on_error_skip_is_the_same(gate: threading.Event) -> None:
     """Skipped items and the skipped count are those of num_workers=0, with
     failures both inline and in the workers."""

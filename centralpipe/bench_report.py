@@ -42,8 +42,8 @@ class Results:
     cold: bench_transport.ColdEpoch | None = None
     #: The cold epoch again, its function from a module that imports torch.
     cold_torch: bench_transport.ColdEpoch | None = None
-    #: That one with ``start_inline=False``: no inline warm start.
-    cold_torch_wait: bench_transport.ColdEpoch | None = None
+    #: That one with ``start_inline=True``: the opt-in inline warm start.
+    cold_torch_inline: bench_transport.ColdEpoch | None = None
     state: dict[str, Any] = field(default_factory=dict)
     stages: dict[str, Any] = field(default_factory=dict)
     startup: bench_transport.Startup = field(default_factory=dict)
@@ -175,7 +175,7 @@ def _transport(res: Results) -> list[str]:
 def report(res: Results, *, argv: Sequence[str] = ()) -> str:
     """The results as markdown."""
     lines = _header(res, argv) + _throughput(res) + _transport(res)
-    lines += bench_transport.cold_lines(res.cold, res.cold_torch, res.cold_torch_wait)
+    lines += bench_transport.cold_lines(res.cold, res.cold_torch, res.cold_torch_inline)
     lines += bench_state.report_lines(res.state)
     lines += bench_stages.report_lines(res.stages)
     lines += bench_transport.report_lines(res.startup)

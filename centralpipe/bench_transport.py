@@ -10,12 +10,15 @@ process really is the first (no forkserver running, nothing imported).
   for ``forkserver`` and ``spawn``, one from a module that imports torch
   (``bench_workloads.inc``): the forkserver then preloads torch, and each
   spawned worker imports it (see ``dispatch.preload``); and, for
-  ``forkserver``, the other option: that function with a server told not to
-  preload torch, so each worker imports it.
+  ``forkserver``, the options: that function with a server told not to
+  preload torch, so each worker imports it, and with the inline warm start
+  opted in (``start_inline=True``: the main process runs the first chunks
+  while the workers start, ``dispatch.warm``).
 - ``--only cpu``: one whole epoch of the ``cpu`` workload with 2 workers by a
   process's first Loader, from creating it to the last item (forkserver and
   workers' start-up included), against a serial loop in the same process;
-  again with the same function from a module that imports torch.
+  again with the same function from a module that imports torch, and that
+  one with ``start_inline=True``.
 """
 
 from __future__ import annotations
@@ -38,31 +41,32 @@ __all__ = [
 #: Work between ``Loader(...)`` and ``iter()``: none, and a model build.
 GAPS_S = (0.0, 1.5)
 #: The worker functions: one whose module needs no torch, one whose module
-#: imports it, and the same with a forkserver told not to preload torch (each
-#: worker imports it), the other option measured.
+#: imports it, and the same with the options: a forkserver told not to
+#: preload torch (each worker imports it), and the inline warm start.
 FUNCTIONS = {
     "no torch": "builtins:abs",
     "torch module": "centralpipe.bench_workloads:inc",
     "torch module, server without torch": "centralpipe.bench_workloads:inc",
-    "torch module, start_inline=False": "centralpipe.bench_workloads:inc",
+    "torch module, start_inline=True": "centralpipe.bench_workloads:inc",
 }
 #: The option that keeps torch out of the forkserver.
 NO_TORCH_IN_SERVER = "torch module, server without torch"
-#: The first ``next()`` waits for the workers (no inline warm start, ``dispatch.warm``).
-NO_INLINE = "torch module, start_inline=False"
+#: The main process runs the first chunks while the workers start (the opt-in
+#: inline warm start, ``dispatch.warm``); by default the first ``next()`` waits.
+INLINE = "torch module, start_inline=True"
 #: How the child process runs each function's Loader (see ``_CHILD``).
-MODES = {NO_TORCH_IN_SERVER: "light", NO_INLINE: "wait"}
+MODES = {NO_TORCH_IN_SERVER: "light", INLINE: "inline"}
 #: Start methods measured with each function (fork shares the caller's torch
 #: either way; spawn has no server).
 FUNCTION_METHODS = {
     "no torch": ("fork", "forkserver", "spawn"),
     "torch module": ("forkserver", "spawn"),
     NO_TORCH_IN_SERVER: ("forkserver",),
-    NO_INLINE: ("forkserver", "spawn"),
+    INLINE: ("forkserver", "spawn"),
 }
 #: The variants that are options, not what a user gets by default: reported,
 #: not targets.
-OPTIONS = (NO_TORCH_IN_SERVER, NO_INLINE)
+OPTIONS = (NO_TORCH_IN_SERVER, INLINE)
 
 _CHILD = """
 import importlib, sys, time
@@ -75,7 +79,7 @@ def main():
         from centralpipe.dispatch import preload
 
         preload.needs_torch = lambda specs: False
-    inline = sys.argv[4] != "wait"
+    inline = sys.argv[4] == "inline"
     module, name = where.split(":")
     fn = getattr(importlib.import_module(module), name)
     out = []
@@ -108,7 +112,7 @@ from centralpipe.bench_workloads import SpinBesideTorch
 def main():
     method = None if sys.argv[1] == "default" else sys.argv[1]
     kind = Spin if sys.argv[5] == "no torch" else SpinBesideTorch
-    inline = sys.argv[5] != "torch module, start_inline=False"
+    inline = sys.argv[5] == "torch module, start_inline=True"
     spin, n, workers = kind(int(sys.argv[2])), int(sys.argv[3]), int(sys.argv[4])
     t0 = time.perf_counter()
     for i in range(n):
@@ -180,8 +184,8 @@ def cold_lines(*colds: ColdEpoch | None) -> list[str]:
         "Loader to the last item (forkserver and worker start-up included). function: "
         "from a module that needs no torch (the `cpu` workload), or the same from a "
         "module that imports torch (the forkserver then preloads torch), and that one "
-        "with start_inline=False (no inline warm start: the first item waits for the "
-        "workers).",
+        "with start_inline=True (the opt-in inline warm start: the main process runs the "
+        "first chunks while the workers start; by default the first item waits for them).",
         "",
         "| function | serial s | centralpipe s | / serial | start-up (first item) ms "
         "| items run inline |",
@@ -250,9 +254,9 @@ def report_lines(startup: Startup) -> list[str]:
         "first Loader, then a second one. Gap: CPU work between `Loader(...)` and `iter()`. "
         "function: `abs` (its workers need no torch), or `bench_workloads.inc` (its module "
         "imports torch: the forkserver preloads torch; 'server without torch': it is told "
-        "not to, and each worker imports torch). While the workers start, the main process "
-        "runs the first chunks itself (the inline warm start, on by default; "
-        "'start_inline=False': the first item waits for the workers).",
+        "not to, and each worker imports torch). By default the first item waits for the "
+        "workers; 'start_inline=True': while they start, the main process runs the first "
+        "chunks itself (the opt-in inline warm start, without a worker's isolation).",
         "",
         "| start method | function | gap s | first Loader ms | later Loader ms |",
         "|---|---|--:|--:|--:|",

@@ -132,18 +132,23 @@ class WorkerConfig:
             sends everything through the pipe; else at least 1 MiB (default
             64 MiB; memory is only used as results need it). Ignored by the
             thread executor and where ``os.memfd_create`` is missing.
-        start_inline: while the worker processes of a ``forkserver`` or
-            ``spawn`` pool are still starting (they import what the workers
-            need, torch often: a second or more), the main process runs the
-            worker stages of the first chunks itself, exactly as
-            ``num_workers=0`` does (same output, seeds, ``on_error`` and
-            checkpoints), and hands the next chunks to the workers as soon as
-            every one is ready. ``False``: the first ``next()`` waits for the
-            workers. Items run that way lose a worker's isolation (a crash or
-            hang of the function hits the main process), so it is never done
-            when ``timeout_s`` is set (a hung item could not be stopped), for
-            stateful worker stages (their state would be split), with
-            ``fork`` (workers start in milliseconds) or the thread executor.
+        start_inline: off by default: with ``num_workers > 0`` user code runs
+            only in the workers, and the first ``next()`` waits for them
+            (they start in the background when the Loader is created). On,
+            while the worker processes of a ``forkserver`` or ``spawn`` pool
+            are still starting (they import what the workers need, torch
+            often: a second or more), the main process runs the worker stages
+            of the first chunks itself and hands the next chunks to the
+            workers as soon as every one is ready. Those chunks go through
+            the very serialisation the workers use (items out, results back),
+            so output, seeds, ``on_error``, errors and checkpoints are those
+            of the workers whoever ran an item; only the isolation is lost: a
+            crash (``os._exit``, a segfault) or hang of the function hits the
+            main process, and so do its CUDA context, memory and threads. So
+            it is never done when ``timeout_s`` is set (a hung item could not
+            be stopped), for stateful worker stages (their state would be
+            split), with ``fork`` (workers start in milliseconds) or the
+            thread executor.
     """
 
     num_workers: int = attrs.field(default=0, validator=_int(0))
@@ -165,7 +170,7 @@ class WorkerConfig:
     shared_memory_bytes: int = attrs.field(
         default=DEFAULT_SHARED_MEMORY_BYTES, validator=_shared_memory_bytes
     )
-    start_inline: bool = attrs.field(default=True, validator=_instance(bool))
+    start_inline: bool = attrs.field(default=False, validator=_instance(bool))
 
     def resolved_start_method(self) -> str:
         """The start method workers use: the configured one or the default."""

@@ -226,9 +226,10 @@ class Loader(Generic[T]):
         )
 
     def _warm_start(self) -> WarmStart | None:
-        """Run the first chunks inline while the workers start in the
-        background (``dispatch.warm``), or ``None``: use the pool at once
-        (waiting for it). Not with ``timeout_s`` (an item hung inline could
+        """With ``start_inline`` (opt-in), run the first chunks inline
+        while the workers start in the background (``dispatch.warm``), or
+        ``None``: use the pool at once (waiting for it; the default, so that
+        user code runs only in the workers). Not with ``timeout_s`` (an item hung inline could
         not be stopped) nor stateful worker stages (their state would be
         split between this process and the workers)."""
         w, starter = self._config.workers, self._res.starter

@@ -28,6 +28,11 @@ def identity(x: int) -> int:
     return x
 
 
+def with_pid(x: int) -> tuple[int, int]:
+    """The item and the id of the process that ran the stage."""
+    return x, os.getpid()
+
+
 def slow_identity(x: int) -> int:
     time.sleep(0.002)
     return x
@@ -56,6 +61,13 @@ def segfault_once(x: int, *, at: int, marker: str) -> int:
 def segfault_always(x: int, *, at: int) -> int:
     if x == at:
         ctypes.string_at(0)
+    return x
+
+
+def exit_once(x: int, *, at: int, marker: str, code: int = 3) -> int:
+    """``os._exit`` the first time item ``at`` arrives."""
+    if x == at and _first_time(marker):
+        os._exit(code)
     return x
 
 

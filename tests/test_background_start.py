@@ -28,14 +28,11 @@ def _double(x: int) -> int:
     return 2 * x
 
 
-def _loader(
-    method: str, n: int = 12, workers: int = 2, start_inline: bool = True
-) -> cp.Loader[int]:
+def _loader(method: str, n: int = 12, workers: int = 2) -> cp.Loader[int]:
+    """The default ``start_inline`` (off): every item runs on the workers."""
     pipe = cp.Pipeline.from_iterable(range(n)).dispatch().map(_double)
     config = cp.LoaderConfig(
-        workers=cp.WorkerConfig(
-            num_workers=workers, start_method=method, chunk_size=2, start_inline=start_inline
-        )
+        workers=cp.WorkerConfig(num_workers=workers, start_method=method, chunk_size=2)
     )
     return cp.Loader(pipe, config)
 
@@ -144,7 +141,7 @@ def test_failed_background_start_is_raised_by_the_first_pass(
     """A worker start that fails in the background raises at the first next(),
     saying where it happened; nothing is left running, the epoch is not
     started, and the next pass starts the workers afresh. (Without the inline
-    warm start; with it, see test_warm_start.)"""
+    warm start, the default; with it, see test_warm_start.)"""
     real = ProcessPool._start
 
     def failing_start(self: ProcessPool, slot: Any) -> None:
@@ -153,7 +150,7 @@ def test_failed_background_start_is_raised_by_the_first_pass(
         real(self, slot)
 
     monkeypatch.setattr(ProcessPool, "_start", failing_start)
-    with _loader("forkserver", start_inline=False) as loader:
+    with _loader("forkserver") as loader:
         pool = loader._res.starter.pool  # type: ignore[union-attr]
         with pytest.raises(OSError, match="Too many open files") as info:
             next(iter(loader))

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from centralpipe import bench, bench_report, bench_transport
-from centralpipe.bench_transport import FUNCTIONS, NO_INLINE, NO_TORCH_IN_SERVER
+from centralpipe.bench_transport import FUNCTIONS, INLINE, NO_TORCH_IN_SERVER
 from centralpipe.config import START_METHODS
 
 
@@ -27,7 +27,7 @@ def test_startup_rows_and_targets() -> None:
     startup = {
         ("fork", "no torch", 0.0): (0.02, 0.01),
         ("spawn", "torch module", 1.5): (0.1, 0.2),
-        ("forkserver", NO_INLINE, 0.0): (2.0, 0.03),
+        ("forkserver", INLINE, 0.0): (2.0, 0.03),
         ("forkserver", "no torch", 0.0): (0.6, 0.03),
         ("forkserver", "no torch", 1.5): (0.004, 0.003),
         ("forkserver", "torch module", 0.0): (2.0, 0.03),
@@ -53,19 +53,19 @@ def test_startup_rows_and_targets() -> None:
 
 def test_cold_epoch_rows_for_both_functions() -> None:
     """The cold cpu epoch reports the torch-free function, the torch module's
-    and that one without the inline warm start; both defaults are targets."""
+    and that one with the opt-in inline warm start; both defaults are targets."""
     res = bench.Results()
     res.cold = bench_transport.ColdEpoch(4000, 2, serial_s=4.0, first_s=0.2, total_s=2.5)
     res.cold_torch = bench_transport.ColdEpoch(
-        4000, 2, serial_s=4.0, first_s=0.01, total_s=3.5, fn="torch module", inline_items=900
+        4000, 2, serial_s=4.0, first_s=1.2, total_s=3.5, fn="torch module", inline_items=0
     )
-    res.cold_torch_wait = bench_transport.ColdEpoch(
-        4000, 2, serial_s=4.0, first_s=1.2, total_s=3.9, fn=NO_INLINE, inline_items=0
+    res.cold_torch_inline = bench_transport.ColdEpoch(
+        4000, 2, serial_s=4.0, first_s=0.01, total_s=3.9, fn=INLINE, inline_items=900
     )
     text = bench.report(res)
     assert "| no torch | 4.00 | 2.50 | 1.60x | 200 | - |" in text
-    assert "| torch module | 4.00 | 3.50 | 1.14x | 10 | 900 |" in text
-    assert f"| {NO_INLINE} | 4.00 | 3.90 | 1.03x | 1200 | 0 |" in text
+    assert "| torch module | 4.00 | 3.50 | 1.14x | 1200 | 0 |" in text
+    assert f"| {INLINE} | 4.00 | 3.90 | 1.03x | 10 | 900 |" in text
     got = {name: ok for name, _, ok in bench_report._targets(res)}
     cold = [k for k in got if k.startswith("cpu, 2 workers, a process's first Loader")]
     assert [got[k] for k in cold] == [True, False]

@@ -1,6 +1,7 @@
-"""Inline warm start (``dispatch.warm``): while a forkserver or spawn pool is
-still starting, the main process runs the first chunks exactly as
-``num_workers=0`` does and hands over to the workers once they are ready.
+"""Inline warm start (``dispatch.warm``, opt-in: ``start_inline=True``): while
+a forkserver or spawn pool is still starting, the main process runs the first
+chunks through the workers' serialisation and hands over to the workers once
+they are ready.
 
 The pool's start is held back by a gate (a test-only patch of
 ``ProcessPool.start``, which the background start runs) so each test decides
@@ -92,8 +93,13 @@ def _pipe(fn: Callable[..., Any] = _times3, **options: Any) -> cp.Pipeline:
     return cp.Pipeline.from_iterable(range(N)).count("c").dispatch().map(fn, **options)
 
 
-def _config(num_workers: int = 2, method: str = "forkserver", **workers: Any) -> cp.LoaderConfig:
+def _config(
+    num_workers: int = 2, method: str = "forkserver", *, inline: bool | None = True, **workers: Any
+) -> cp.LoaderConfig:
+    """``inline``: ``start_inline`` (opted in unless told otherwise; ``None``: the default)."""
     options: dict[str, Any] = {"buffer_size": 64, "chunk_size": 8, **workers}
+    if inline is not None:
+        options["start_inline"] = inline
     return cp.LoaderConfig(
         workers=cp.WorkerConfig(num_workers=num_workers, start_method=method, **options),
         seed=5,
@@ -181,6 +187,108 @@ def test_on_error_raise_is_the_same(gate: threading.Event, where: str) -> None:
         )
         ran = sum(loader.metrics()["dispatch"]["items_per_worker"])
         assert (ran > 0) == (where == "worker")
+
+
+#: The item that cannot cross the boundary, in the second chunk of 8.
+BAD = 13
+
+
+class _NotRebuilt:
+    """Pickles, but unpickling it raises (in any process)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __reduce__(self) -> Any:
+        return (_rebuild, (self.value,))
+
+
+def _rebuild(value: int) -> _NotRebuilt:
+    raise ValueError(f"object {value} cannot be rebuilt")
+
+
+def _result_not_rebuilt(x: int) -> Any:
+    return _NotRebuilt(x) if x == BAD else 3 * x
+
+
+def _result_not_pickled(x: int) -> Any:
+    return threading.Lock() if x == BAD else 3 * x
+
+
+def _times3_of_value(x: Any) -> int:
+    return 3 * (x.value if isinstance(x, _NotRebuilt) else x)
+
+
+#: What cannot cross the boundary: (the source's items, the worker stage).
+CANNOT_CROSS: dict[str, tuple[list[Any], Callable[[Any], Any]]] = {
+    "result-not-rebuilt": (list(range(N)), _result_not_rebuilt),
+    "result-not-pickled": (list(range(N)), _result_not_pickled),
+    "item-not-rebuilt": ([_NotRebuilt(x) if x == BAD else x for x in range(N)], _times3_of_value),
+}
+
+
+def _outcome(loader: cp.Loader[Any]) -> tuple[list[Any], tuple[Any, ...] | None, int]:
+    """The output, the WorkerError (type, stage, seq, exc_type, text) if
+    one ended the pass, and the skipped count."""
+    out: list[Any] = []
+    error = None
+    try:
+        for x in loader:
+            out.append(x)
+    except WorkerError as exc:
+        error = (type(exc), exc.stage, exc.seq, exc.exc_type, str(exc), exc.remote_traceback)
+    return out, error, loader.metrics()["dispatch"]["skipped"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+@pytest.mark.parametrize("case", CANNOT_CROSS)
+def test_what_cannot_cross_fails_inline_as_with_workers(
+    gate: threading.Event, case: str, on_error: str
+) -> None:
+    """An item or a result that cannot cross the boundary (not rebuilt on the
+    other side, not picklable) fails in the chunks the main process runs
+    exactly as with workers: the same output before it, the same
+    WorkerError (stage, seq, type, text) or the same skipped count."""
+    items, fn = CANNOT_CROSS[case]
+    pipe = cp.Pipeline.from_iterable(items).dispatch(name="hand").map(fn, name="stage")
+    gate.set()
+    with cp.Loader(pipe, _config(2, "fork", on_error=on_error)) as workers:
+        expected = _outcome(workers)
+        assert sum(workers.metrics()["dispatch"]["items_per_worker"]) > 0
+    gate.clear()
+    out, error, skipped = expected
+    assert (error is None) == (on_error == "skip")
+    assert out == [3 * x for x in range(BAD if error else N) if x != BAD]
+    assert skipped == (1 if on_error == "skip" else 0)
+    with cp.Loader(pipe, _config(2, on_error=on_error)) as loader:  # the pool held back
+        assert _outcome(loader) == expected
+        m = loader.metrics()["dispatch"]
+        assert m["inline_items"] >= BAD and sum(m["items_per_worker"]) == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_parallel_stage_result_that_cannot_cross_fails_inline_as_with_workers(
+    gate: threading.Event,
+) -> None:
+    """A parallel central stage's result that cannot be rebuilt in the main
+    process is the same WorkerError after the same items whether a worker
+    ran it or the main process while the pool starts."""
+    pipe = (
+        cp.Pipeline.from_iterable(range(N))
+        .map(_result_not_rebuilt, parallel=True, name="par")
+        .dispatch()
+    )
+    gate.set()
+    with cp.Loader(pipe, _config(2, "fork")) as workers:
+        expected = _outcome(workers)
+    gate.clear()
+    out, error, _ = expected
+    assert out == [3 * x for x in range(BAD)]
+    assert error is not None and error[1:3] == ("par", BAD)
+    with cp.Loader(pipe, _config(2)) as loader:  # the pool held back
+        assert _outcome(loader) == expected
+        assert sum(loader.metrics()["par"]["parallel"]["items_per_worker"]) == 0
 
 
 @pytest.mark.timeout(60)
@@ -406,7 +514,8 @@ def test_failed_start_while_inline_is_raised_and_the_pass_goes_on(
 
 
 NEVER_INLINE = {
-    "off": {"start_inline": False},
+    "default": {"inline": None},
+    "off": {"inline": False},
     "timeout_s": {"timeout_s": 30.0},
 }
 
@@ -414,9 +523,10 @@ NEVER_INLINE = {
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", [*NEVER_INLINE, "stateful"])
 def test_cases_that_wait_for_the_workers(gate: threading.Event, case: str) -> None:
-    """start_inline=False, timeout_s set (a hung item could not be stopped
-    inline) and stateful worker stages (their state would be split): the
-    first next() waits for the workers, and they run every item."""
+    """The default config, start_inline=False, timeout_s set (a hung item
+    could not be stopped inline) and stateful worker stages (their state
+    would be split): the first next() waits for the workers, and they run
+    every item."""
     if case == "stateful":
         pipe = cp.Pipeline.from_iterable(range(N)).dispatch().map(_Counter())
         config = _config(2)
@@ -462,7 +572,8 @@ def test_start_inline_round_trips(tmp_path: Any) -> None:
     config = cp.LoaderConfig(workers=cp.WorkerConfig(start_inline=False))
     assert config.to_dict()["workers"]["start_inline"] is False
     assert cp.LoaderConfig.from_dict(config.to_dict()) == config
-    assert cp.LoaderConfig().workers.start_inline is True
+    on = cp.LoaderConfig(workers=cp.WorkerConfig(start_inline=True))
+    assert cp.LoaderConfig.from_dict(on.to_dict()) == on
     path = tmp_path / "c.toml"
-    path.write_text("[workers]\nnum_workers = 2\nstart_inline = false\n")
-    assert cp.LoaderConfig.from_toml(path).workers.start_inline is False
+    path.write_text("[workers]\nnum_workers = 2\nstart_inline = true\n")
+    assert cp.LoaderConfig.from_toml(path).workers.start_inline is True

@@ -99,7 +99,9 @@ class Run:
                 stream_id=i,
                 **common,
             )
-            stream.driver = InlineDriver(stream)
+            # While the workers start (a warm run), parallel stages run inline
+            # through the workers' serialisation, as the dispatch stream does.
+            stream.driver = InlineDriver(stream, as_worker=warm is not None)
             self.segment_streams.append(stream)
         plan = plans.get(dispatch_name, StreamPlan())
         self.stream = Stream(

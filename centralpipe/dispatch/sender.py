@@ -36,6 +36,7 @@ from centralpipe.dispatch.protocol import Chunk, ChunkResult, StageFailure
 from centralpipe.dispatch.pull import has_room, pull_chunk, target_chunk
 from centralpipe.dispatch.reorder import FIRST_CHUNK, Driver, Stream
 from centralpipe.dispatch.supervisor import POLL_S, Session
+from centralpipe.dispatch.worker import result_message, run_received
 
 __all__ = [
     "FIRST_CHUNK",
@@ -43,8 +44,10 @@ __all__ = [
     "InlineDriver",
     "SegmentDriver",
     "drain_resends",
+    "encode_chunk",
     "has_room",
     "pull_chunk",
+    "run_as_worker",
     "run_skip",
     "send_chunk",
     "target_chunk",
@@ -91,6 +94,48 @@ def run_skip(chunk: Chunk) -> frozenset[int]:
     return frozenset(chunk.skip).union(f.at for f in chunk.unsendable)
 
 
+def encode_chunk(run_id: int, s: Stream, chunk: Chunk) -> protocol.Encoded:
+    """The chunk's ``MSG_CHUNK`` as it goes to a worker: items that cannot be
+    pickled are failures of the boundary stage (:func:`sendable_items`)."""
+
+    def message(items: list[Any]) -> tuple[Any, ...]:
+        return protocol.chunk_message(
+            run_id, s.stream_id, chunk, s.epoch, items, run_skip(chunk), s.rng_key(chunk)
+        )
+
+    try:
+        return protocol.encode(message(chunk.items))
+    except Exception:
+        return protocol.encode(message(sendable_items(s, chunk)))
+
+
+def run_as_worker(s: Stream, chunk: Chunk) -> ChunkResult:
+    """Run the chunk's worker stages in this thread exactly as a worker
+    process would, serialisation included (the inline warm start,
+    ``dispatch.warm``): the chunk is encoded as :func:`send_chunk` encodes
+    it and decoded as the worker decodes it, its result is encoded as the
+    worker sends it (:func:`~centralpipe.dispatch.worker.result_message`)
+    and decoded as the supervisor receives it. So an item or a result that
+    cannot cross the boundary fails here exactly as it fails with workers
+    (a chunk that cannot be decoded whole is run again item by item, as the
+    supervisor has it re-sent), whatever the timing of the hand-over."""
+    while True:
+        msg = protocol.decode(encode_chunk(0, s, chunk))
+        _, _, stream, cid, epoch, first_seq, items, skip, per_item, key = msg
+        result = run_received(s.chain, stream, epoch, first_seq, items, skip, per_item, None, key)
+        reply = protocol.decode(result_message(0, stream, cid, result, per_item, s.chain))
+        result = reply[-1]
+        if not isinstance(result.outputs, protocol.Undecodable):
+            break
+        if chunk.per_item:  # cannot happen: each item is sealed on its own
+            raise RuntimeError(f"chunk {chunk.cid} cannot be decoded even item by item")
+        chunk.per_item = True
+    if chunk.per_item:
+        stage = s.chain.specs[-1].name if s.chain.specs else None
+        result = protocol.unseal_outputs(result, stage, s.dispatch_name)
+    return result
+
+
 def send_chunk(session: Session, s: Stream, chunk: Chunk) -> None:
     """Send ``chunk`` to its worker (round-robin for a new one), unless that
     worker already has it or its result is in."""
@@ -101,22 +146,7 @@ def send_chunk(session: Session, s: Stream, chunk: Chunk) -> None:
     with slot.send_lock:
         if chunk.sent_gen == slot.gen or chunk.result is not None:
             return
-
-        def message(items: list[Any]) -> tuple[Any, ...]:
-            return protocol.chunk_message(
-                session.run_id,
-                s.stream_id,
-                chunk,
-                s.epoch,
-                items,
-                run_skip(chunk),
-                s.rng_key(chunk),
-            )
-
-        try:
-            encoded = protocol.encode(message(chunk.items))
-        except Exception:
-            encoded = protocol.encode(message(sendable_items(s, chunk)))
+        encoded = encode_chunk(session.run_id, s, chunk)
         # Marked sent before writing: the result (or a request to send the
         # chunk again per item) may come back before the write returns. A
         # failed write means a dead worker: its replacement bumps ``gen``.
@@ -165,11 +195,21 @@ def _take_head(s: Stream) -> tuple[bool, Chunk | None]:
 
 
 class InlineDriver(Driver):
-    """Worker stages run in the thread consuming the stream, a chunk at a time."""
+    """Worker stages run in the thread consuming the stream, a chunk at a
+    time: over a copy of the items (``num_workers=0``), or with
+    ``as_worker`` through a worker's serialisation both ways
+    (:func:`run_as_worker`: the inline warm start)."""
 
-    def __init__(self, stream: Stream, on_stop: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        stream: Stream,
+        on_stop: Callable[[], None] | None = None,
+        *,
+        as_worker: bool = False,
+    ) -> None:
         self.stream = stream
         self.on_stop = on_stop
+        self.as_worker = as_worker
 
     def stop(self) -> None:
         if self.on_stop is not None:
@@ -190,7 +230,9 @@ class InlineDriver(Driver):
             if pulled is None:
                 return None
             chunk = pulled
-        if s.chain.specs:
+        if s.chain.specs and self.as_worker:
+            result = run_as_worker(s, chunk)
+        elif s.chain.specs:
             # The worker stages get a copy, as a worker would: a stage that
             # mutates its item in place must not change the checkpoint.
             items = copy_items(s, chunk)

@@ -1,16 +1,26 @@
-"""Inline warm start: the main process runs the first chunks while the workers start.
+"""Inline warm start (opt-in): the main process runs the first chunks while the workers start.
 
-A ``forkserver`` or ``spawn`` pool starts in the background when the Loader
-is created (:mod:`centralpipe.dispatch.starter`), but its workers may need a
-second or more (a forkserver importing torch, each spawned worker importing
-it). A pass that begins before they are ready does not wait for them: a
-:class:`WarmDriver` runs the dispatch stream exactly as ``num_workers=0``
-does (:class:`~centralpipe.dispatch.sender.InlineDriver`: the consumer pulls
-a chunk, runs the worker stages over a copy of its items, the same seeds,
-``on_error`` and skipped counts), and parallel central stages inline too.
-Output, order and checkpoints are those of any ``num_workers``: the worker
-stages depend only on ``(item, seed, epoch, seq)``, and a checkpoint is the
-central states plus the pending chunks, whoever runs them.
+Off by default (``WorkerConfig.start_inline=False``): with ``num_workers > 0``
+user code runs only in the workers, as with torch's DataLoader, and the first
+``next()`` waits for them. A ``forkserver`` or ``spawn`` pool starts in the
+background when the Loader is created (:mod:`centralpipe.dispatch.starter`),
+but its workers may need a second or more (a forkserver importing torch, each
+spawned worker importing it). With ``start_inline=True`` a pass that begins
+before they are ready does not wait for them: a :class:`WarmDriver` runs the
+dispatch stream in the consumer's thread
+(:class:`~centralpipe.dispatch.sender.InlineDriver`: the consumer pulls a
+chunk and runs the worker stages, the same seeds, ``on_error`` and skipped
+counts), and parallel central stages inline too. Every chunk run so goes
+through the workers' serialisation both ways
+(:func:`~centralpipe.dispatch.sender.run_as_worker`): the items as a worker
+would receive them, the result as the main process would receive it from a
+worker, so an item or a result that cannot cross the boundary fails the
+same way whoever ran it. Output, order, errors and checkpoints are those of
+the workers: the worker stages depend only on ``(item, seed, epoch, seq)``,
+and a checkpoint is the central states plus the pending chunks, whoever runs
+them. What is lost is the isolation: a crash (``os._exit``, a segfault) or a
+hang of the function ends or blocks the main process, and a CUDA context,
+memory or threads the function makes stay in it.
 
 Before each chunk it asks whether every worker is ready (a thread-liveness
 check and a read of each worker's status: microseconds). Chunks aim at
@@ -28,10 +38,11 @@ background start that failed is raised there, with its note; the next
 ``next()`` starts the workers again (waiting for them) and goes on.
 
 Until then no thread of the run exists: no feeder or supervisor to starve.
-Inline items lose a worker's isolation, which is why the Loader only warms
-up this way when ``WorkerConfig.start_inline`` is on, ``timeout_s`` is not
-set, no worker stage is stateful, and the start method is ``forkserver``
-or ``spawn`` (``fork`` workers start in milliseconds).
+Because inline items lose a worker's isolation the Loader only warms up this
+way when ``WorkerConfig.start_inline`` is on, ``timeout_s`` is not set (a
+hung item could not be stopped), no worker stage is stateful, and the start
+method is ``forkserver`` or ``spawn`` (``fork`` workers start in
+milliseconds).
 """
 
 from __future__ import annotations
@@ -72,7 +83,7 @@ class WarmDriver(Driver):
     def __init__(self, run: Run, warm: WarmStart) -> None:
         self.run = run
         self.warm = warm
-        self.inline = InlineDriver(run.stream)
+        self.inline = InlineDriver(run.stream, as_worker=True)
         #: The hand-over began: it is finished (never undone) by the next call.
         self.handing_over = False
         #: Chunks up to this id are counted in ``inline_items``.

@@ -42,7 +42,7 @@ from centralpipe.dispatch.protocol import (
 )
 from centralpipe.dispatch.stash import RingWriter, receive_ring, stash
 
-__all__ = ["WorkerSpec", "serve", "worker_main"]
+__all__ = ["WorkerSpec", "result_message", "run_received", "serve", "worker_main"]
 #: How often a worker checks that the main process is still alive.
 _WATCHDOG_INTERVAL_S = 0.25
 
@@ -91,7 +91,9 @@ def serve(
             if run_id < current_run.value:
                 continue  # the main process abandoned that run
             chain = spec.chains[stream]
-            result = _run(chain, stream, epoch, first_seq, items, skip, per_item, status, key)
+            result = run_received(
+                chain, stream, epoch, first_seq, items, skip, per_item, status, key
+            )
             if not send_result(run_id, stream, cid, result, per_item):
                 return
         elif kind == MSG_STATES and not send_states(spec.states()):
@@ -221,7 +223,7 @@ class TorchThreads:
             pass
 
 
-def _run(
+def run_received(
     chain: WorkerChain,
     stream: int,
     epoch: int,
@@ -253,6 +255,23 @@ def _run(
         failures = sorted([*(result.failures or ()), *bad], key=lambda f: f.at)
         result = result._replace(counts=counts, failures=failures)
     return result
+
+
+def result_message(
+    run_id: int, stream: int, cid: int, result: ChunkResult, per_item: bool, chain: WorkerChain
+) -> protocol.Encoded:
+    """The ``MSG_RESULT`` :func:`_send_result` sends (without a ring),
+    encoded: outputs that cannot be pickled become failures of the last
+    worker stage."""
+    try:
+        if isinstance(result.outputs, protocol.Undecodable):
+            return protocol.encode((MSG_RESULT, run_id, stream, cid, result))
+        sealed = protocol.seal_outputs(result, per_item)
+        return protocol.encode((MSG_RESULT, run_id, stream, cid, sealed))
+    except Exception:
+        pass
+    sealed = protocol.seal_outputs(_drop_unpicklable(result, chain), per_item)
+    return protocol.encode((MSG_RESULT, run_id, stream, cid, sealed))
 
 
 def _send_result(

@@ -10,12 +10,18 @@ stream there:
   (its ``index`` is the smallest, ``c``): everything from ``c`` on comes out
   of those stages again;
 - every item before ``c`` that no rank has delivered — in some rank's
-  in-flight list, or in that rank's equalize round — back in central order,
-  as the shard's ``queue``, each with the ``count`` totals it arrived with;
+  in-flight list, or in that rank's equalize round (with ``drop_last`` after
+  the end of the epoch: the round it dropped) — back in central order, as the
+  shard's ``queue``, each with the ``count`` totals it arrived with;
 - the items at ``c`` or later that a rank further ahead already delivered, as
   the shard's ``drop`` list (only ``equalize=None`` has these: at most
   ``world_size - 1`` items, which the central stages compute again and the
   shard discards).
+
+The result depends only on what each rank has delivered, never on how far its
+feeder had read ahead: the old world size's end-of-epoch decision (which
+round ``drop_last`` dropped, which items ``pad`` repeated) is undone, and the
+new ranks' shard makes its own.
 
 No worker is asked and nothing is replayed. The global state has no in-flight
 items of its own; every rank of any world size loads it and its shard
@@ -258,7 +264,8 @@ def _merge(ranks: list[_Rank]) -> dict[str, Any]:
         p = start + t
         if p not in pending and not delivered(p):
             pending[p] = (item, rnd_stamps[t] if t < len(rnd_stamps) else None)
-    # With drop_last, the last incomplete round is gone once the shard is done.
+    # A drop_last shard keeps the round it dropped at the end; in states from
+    # before it did, that round is gone.
     lost_from = c - (c - base) % world if behind.get("done") else c
     # Items at c or later that a rank further ahead already delivered.
     ahead: set[int] = set()

@@ -9,6 +9,7 @@ uninterrupted pass on one rank: the old ranks got their shards of its first
 from __future__ import annotations
 
 import io
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -114,31 +115,60 @@ def check_views(
             assert view == ref["batches"][at], (equalize, world, rank, j)
 
 
+#: How far the feeder reads ahead of delivery: with no workers it pulls one
+#: chunk at a time when the consumer needs an item, so a fixed chunk size
+#: fixes the read-ahead (13: to the end of the epoch from the first step on).
+READ_AHEAD = {"feeder-at-delivered": 1, "feeder-in-the-middle": 3, "feeder-at-end": 13}
+
+
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("chunk", READ_AHEAD.values(), ids=READ_AHEAD.keys())
 @pytest.mark.parametrize("equalize", EQUALIZE, ids=str)
 @pytest.mark.parametrize("world", [1, 2, 3], ids=lambda w: f"from{w}")
 def test_merged_state_resumes_exactly_on_any_world_size_at_every_step(
-    reference: dict[str, Any], equalize: str | None, world: int
+    reference: dict[str, Any], equalize: str | None, world: int, chunk: int
 ) -> None:
-    """At every step k, merging all ranks' states and resuming on 1 to 4 ranks
-    delivers each remaining central item exactly once, split by the new shard,
+    """At every step k, however far the feeder had read ahead, merging all
+    ranks' states and resuming on 1 to 4 ranks gives what an uninterrupted
+    run on that world size gives from the global position: each remaining
+    central item exactly once, split (and dropped or padded) by the new shard,
     with the delivered count view exact after every item."""
     per_rank = model(reference["stream"], equalize, world)
     steps = min(len(s) for s in per_rank)
     for k in range(steps + 1):
-        heads, states = take(equalize, world, k, buffer_size=5)
+        heads, states = take(equalize, world, k, buffer_size=None, chunk_size=chunk)
         assert heads == [s[:k] for s in per_rank]
         merged = cp.merge_states(states)
         start = k * world
         for new_world in (1, 2, 3, 4):
             tails, views = resume(equalize, merged, new_world)
-            want = model(reference["stream"][start:], equalize, new_world)
-            if equalize == "drop_last" and tails != want:
-                # The old ranks had reached the end and dropped their last round.
-                cut = N - N % world
-                want = model(reference["stream"][start:cut], equalize, new_world)
-            assert tails == want, (k, new_world)
+            assert tails == model(reference["stream"][start:], equalize, new_world), (k, new_world)
             check_views(reference, equalize, start, new_world, views)
+
+
+@pytest.mark.timeout(60)
+def test_feeder_done_reading_during_a_slow_step_drops_nothing_on_one_rank(
+    reference: dict[str, Any],
+) -> None:
+    """A checkpoint taken after a slow step, when a worker-fed run has read to
+    the end of the epoch and its 2-rank drop_last has dropped the last round,
+    resumes on 1 rank with that round's item: the merge re-decides for 1 rank."""
+    states = []
+    for rank in range(2):
+        config = loader_config(rank=rank, world_size=2, num_workers=1, buffer_size=None)
+        with cp.Loader(pipe("drop_last"), config) as ld:
+            it = iter(ld)
+            head = [next(it) for _ in range(3)]
+            assert head == model(reference["stream"], "drop_last", 2)[rank][:3]
+            deadline = time.monotonic() + 30
+            while not ld.query("shard_5")["done"]:  # the slow step: the feeder reads on
+                assert time.monotonic() < deadline, "the feeder did not reach the end in 30 s"
+                time.sleep(0.01)
+            states.append(ld.state_dict())
+    tails, _ = resume("drop_last", cp.merge_states(states), 1)
+    assert tails == [reference["stream"][6:]]
+    last = list(reference["stream"][24])  # the dropped round, as each shard keeps it
+    assert [s["central"]["shard_5"]["round"] for s in states] == [[last], [last]]
 
 
 @pytest.mark.timeout(120)

@@ -3,9 +3,10 @@
 Every rank runs the same central stream, so equalising needs no
 communication: ``"drop_last"`` emits a rank's item only once its whole round
 of ``world_size`` items exists (the last incomplete round is dropped on every
-rank); ``"pad"`` completes that last round by reusing its items cyclically, so
-nothing is dropped. ``index`` — the stream position of the next item — is
-recorded in every checkpoint.
+rank, and kept in the state's ``round``, so that a merge for another world
+size can decide again); ``"pad"`` completes that last round by reusing its
+items cyclically, so nothing is dropped. ``index`` — the stream position of
+the next item — is recorded in every checkpoint.
 
 Elastic resume (:mod:`centralpipe.elastic`) needs three more things, all empty
 in a run that started at the beginning of an epoch:
@@ -200,7 +201,8 @@ class Shard(CentralNode[Any]):
                         self._emitted = self._round_stamps[k]
                     self._round, self._round_stamps = [], []
                     return out
-                self._round, self._round_stamps = [], []
+                # drop_last keeps the round it dropped (and its stamps) in the
+                # state: on another world size (``merge_states``) it may be whole.
                 raise
             if counted:  # the stamp first: the round and its stamps stay aligned
                 arrival = self.arrival
@@ -275,19 +277,23 @@ class Shard(CentralNode[Any]):
 
     def check_state(self, state: ShardState, states: Mapping[str, Any]) -> None:
         # The round holds the items of the current round of world_size so far
-        # (rounds count from base); a global state's round is empty.
-        if self._equalize is None or state.done:
+        # (rounds count from base; after the end, drop_last's dropped round);
+        # a global state's round is empty.
+        if state.done and self._equalize is None:
+            raise FieldError("done", "False (equalize is None)", state.done)
+        if self._equalize is None or (state.done and self._equalize == "pad"):
             if state.round:
                 raise FieldError("round", "[] (no round is being filled)", state.round)
-            if state.done and self._equalize is None:
-                raise FieldError("done", "False (equalize is None)", state.done)
             return
         n = (state.index - state.base) % self.ctx.world_size
-        if len(state.round) != n:
+        # drop_last at the end: the round it dropped ([] from before it was kept).
+        if len(state.round) != n and not (state.done and not state.round):
             expected = (
                 f"{n} items ((index {state.index} - base {state.base}) mod world_size "
                 f"{self.ctx.world_size})"
             )
+            if state.done:
+                expected += ", the round drop_last dropped at the end, or []"
             raise FieldError("round", expected, state.round)
         if self.counts and len(state.round_stamps) != len(state.round):
             raise FieldError("round_stamps", "one count stamp per round item", state.round_stamps)

@@ -8,6 +8,7 @@ uninterrupted pass on one rank: the old ranks got their shards of its first
 
 from __future__ import annotations
 
+import copy
 import io
 import time
 from collections.abc import Callable
@@ -314,7 +315,10 @@ def test_states_of_different_jobs_or_steps_are_refused() -> None:
     _refused([states[0], seeded], "different seeds")
     later = dict(states[1], epoch=states[1]["epoch"] + 1)
     _refused([states[0], later], "different epochs")
-    renamed = dict(states[1], fingerprint=[["x", "iterable"], *states[1]["fingerprint"][1:]])
+    central = dict(states[1]["central"])
+    central["x"] = central.pop("source")
+    fingerprint = [["x", "iterable"], *states[1]["fingerprint"][1:]]
+    renamed = dict(states[1], fingerprint=fingerprint, central=central)
     _refused([states[0], renamed], "different pipelines")
 
 
@@ -402,3 +406,78 @@ def test_per_rank_checkpoints_after_an_elastic_resume_resume_exactly(
             with cp.Loader(pipe(equalize), config) as ld:
                 ld.load_state_dict(state)
                 assert head + list(ld) == want[rank], (rank, k)
+
+
+def _flight1(sd: dict[str, Any]) -> dict[str, Any]:
+    flight: dict[str, Any] = sd["in_flight"]["dispatch"]
+    return flight
+
+
+def _extra_item(sd: dict[str, Any]) -> None:
+    flight = _flight1(sd)
+    flight["items"].append(flight["items"][0])
+    flight["stamps"].append(flight["stamps"][0])
+
+
+#: A defect in rank 1's state: the mutation, and the refusal (of
+#: load_state_dict on rank 1, and of merge_states naming the rank).
+RANK_DEFECTS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
+    "extra-in-flight-item": (
+        _extra_item,
+        r"in_flight\['dispatch'\]\.next_seq must be first_seq \+ len\(items\) = 2 \+ 4 = 6, got 5",
+    ),
+    "next-seq-plus-5": (
+        lambda sd: _flight1(sd).update(next_seq=_flight1(sd)["next_seq"] + 5),
+        r"in_flight\['dispatch'\]\.next_seq must be first_seq \+ len\(items\) = 2 \+ 3 = 5, got 10",
+    ),
+    "rank-str": (
+        lambda sd: sd["distributed"].update(rank="1"),
+        r"distributed\.rank must be an int >= 0, got '1'",
+    ),
+    "rank-bool": (
+        lambda sd: sd["distributed"].update(rank=True),
+        r"distributed\.rank must be an int >= 0, got True",
+    ),
+    "rank-float": (
+        lambda sd: sd["distributed"].update(rank=1.0),
+        r"distributed\.rank must be an int >= 0, got 1\.0",
+    ),
+    "stamps-none": (
+        lambda sd: _flight1(sd).update(stamps=None),
+        r"in_flight\['dispatch'\]\.stamps must be one stamp per in-flight item, got None",
+    ),
+    "shard-round-not-a-list": (
+        lambda sd: sd["central"]["shard_5"].update(round="junk"),
+        r"central\['shard_5'\]\.round must be a list, got 'junk'",
+    ),
+    "shard-round-too-long": (
+        lambda sd: sd["central"]["shard_5"].update(round=[["w"]] * 3),
+        r"central\['shard_5'\]\.round must be 0 items \(\(index 10 - base 0\) mod world_size 2\)",
+    ),
+    "delivered-relabelled-to-a-later-step": (
+        lambda sd: sd["position"].update(delivered=3),
+        r"position\.delivered must be <= in_flight\['dispatch'\]\.first_seq \(2, the items "
+        r"delivered: the worker stages make at most one output per input\), got 3",
+    ),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("defect", RANK_DEFECTS, ids=str)
+def test_merge_refuses_a_rank_state_that_loading_refuses(defect: str) -> None:
+    """A defect in one rank's state is refused by merge_states as load_state_dict
+    refuses it on that rank: the same words, after the rank's place and number."""
+    mutate, match = RANK_DEFECTS[defect]
+    states = take("drop_last", 2, 2, buffer_size=None, chunk_size=5)[1]
+    assert len(_flight1(states[1])["items"]) == 3  # the defects need items in flight
+    damaged = copy.deepcopy(states[1])
+    mutate(damaged)
+    with (
+        cp.Loader(pipe("drop_last"), loader_config(rank=1, world_size=2)) as ld,
+        pytest.raises(cp.CheckpointError, match=match) as loading,
+    ):
+        ld.load_state_dict(damaged)
+    with pytest.raises(cp.CheckpointError) as merging:
+        cp.merge_states([states[0], damaged])
+    rank = "" if defect.startswith("rank-") else " (rank 1)"
+    assert str(merging.value) == f"states[1]{rank}: {loading.value}"

@@ -481,3 +481,40 @@ def test_merge_refuses_a_rank_state_that_loading_refuses(defect: str) -> None:
         cp.merge_states([states[0], damaged])
     rank = "" if defect.startswith("rank-") else " (rank 1)"
     assert str(merging.value) == f"states[1]{rank}: {loading.value}"
+
+
+@pytest.mark.timeout(60)
+def test_dropped_round_in_a_rank_state_loads_and_older_states_still_merge(
+    reference: dict[str, Any],
+) -> None:
+    """A drop_last rank state at the epoch's end keeps the dropped round and
+    resumes exactly on its own rank (nothing more this epoch); a state from
+    before the round was kept (round []) still loads and merges, without that
+    round; a round of the wrong length is refused."""
+    stream = reference["stream"]
+    _, states = take("drop_last", 2, 12, buffer_size=None, chunk_size=13)
+    assert [s["central"]["shard_5"]["round"] for s in states] == [[list(stream[24])]] * 2
+    older = copy.deepcopy(states)
+    for sd in older:
+        sd["central"]["shard_5"].update(round=[], round_stamps=[])
+    for rank in range(2):
+        for sd in (states[rank], older[rank]):
+            with cp.Loader(pipe("drop_last"), loader_config(rank=rank, world_size=2)) as ld:
+                ld.load_state_dict(sd)
+                assert list(ld) == []
+    assert resume("drop_last", cp.merge_states(states), 1)[0] == [[stream[24]]]
+    assert resume("drop_last", cp.merge_states(older), 1)[0] == [[]]
+    bad = copy.deepcopy(states[0])
+    bad["central"]["shard_5"]["round"] *= 2
+    bad["central"]["shard_5"]["round_stamps"] *= 2
+    match = (
+        r"central\['shard_5'\]\.round must be 1 items \(\(index 25 - base 0\) mod world_size 2\), "
+        r"the round drop_last dropped at the end, or \[\], got"
+    )
+    with (
+        cp.Loader(pipe("drop_last"), loader_config(rank=0, world_size=2)) as ld,
+        pytest.raises(cp.CheckpointError, match=match),
+    ):
+        ld.load_state_dict(bad)
+    with pytest.raises(cp.CheckpointError, match=r"states\[0\] \(rank 0\): damaged.*" + match):
+        cp.merge_states([bad, states[1]])

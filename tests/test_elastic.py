@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import io
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -518,3 +519,43 @@ def test_dropped_round_in_a_rank_state_loads_and_older_states_still_merge(
         ld.load_state_dict(bad)
     with pytest.raises(cp.CheckpointError, match=r"states\[0\] \(rank 0\): damaged.*" + match):
         cp.merge_states([bad, states[1]])
+
+
+def _poison(batch: Any) -> tuple[Any, ...]:
+    """A worker map that fails on central item 4 (rank 0's third of 2 ranks;
+    no other batch equals it)."""
+    if batch == list(_POISON):
+        raise ValueError("poison")
+    return tuple(batch)
+
+
+_POISON: tuple[Any, ...] = ()
+
+
+@pytest.mark.timeout(60)
+def test_states_with_a_skipped_item_merge(
+    reference: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With on_error="skip", a rank that skipped an item has delivered fewer
+    outputs than items (position.delivered < first_seq): its state still
+    merges, and the resumed rank gets every item after the global position."""
+    stream = reference["stream"]
+    assert stream.count(stream[4]) == 1
+    monkeypatch.setattr(sys.modules[__name__], "_POISON", stream[4])
+    states = []
+    for rank in range(2):
+        config = cp.LoaderConfig(
+            workers=cp.WorkerConfig(num_workers=0, chunk_size=1, on_error="skip"),
+            distributed=cp.DistributedConfig(rank=rank, world_size=2),
+        )
+        with cp.Loader(pipe("drop_last", after=_poison), config) as ld:
+            it = iter(ld)
+            head = [next(it) for _ in range(3)]
+            states.append(ld.state_dict())
+        assert head == [s for s in stream[rank::2] if s != stream[4]][:3]
+    assert [(s["position"]["delivered"], _flight1(s)["first_seq"]) for s in states] == [
+        (3, 4),
+        (3, 3),
+    ]
+    tails, _ = resume("drop_last", cp.merge_states(states), 1)
+    assert tails == [stream[7:]]

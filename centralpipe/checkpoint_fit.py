@@ -5,9 +5,12 @@
 that it belongs here: the same stages, seed and rank, every central stage's
 state valid for this pipeline (file indexes and paths against the file list,
 offsets against file sizes), and each boundary's in-flight inputs, seqs and
-count stamps consistent with those states. :class:`Expected` is what the
-loader knows of its pipeline and config. Every refusal is a
-``CheckpointError`` naming the key path; nothing is changed.
+count stamps consistent with those states, and a step count
+(``position.delivered``) no larger than the items delivered when each gives
+at most one output. :class:`Expected` is what the loader knows of its
+pipeline and config (``merge_states``, which has no pipeline, builds one from
+what each rank's state says of it). Every refusal is a ``CheckpointError``
+naming the key path; nothing is changed.
 """
 
 from __future__ import annotations
@@ -102,6 +105,16 @@ def check_pipeline(ckpt: Checkpoint, want: Expected) -> dict[str, Any]:
             expected = f"<= {fed} (the items the stages before it have yielded, by their state)"
             _fail(f"{path}.next_seq", expected, flight.next_seq)
         _check_boundary(path, name, flight, ckpt, want, states)
+    tip = ckpt.in_flight.get(want.tip)
+    delivered = ckpt.position.delivered
+    if tip is not None and not want.multi_output and delivered > tip.first_seq:
+        # Each input delivered gave at most one output (a worker filter, or
+        # on_error="skip", gives none): a step count past it is another step's.
+        expected = (
+            f"<= in_flight['{want.tip}'].first_seq ({tip.first_seq}, the items delivered: "
+            "the worker stages make at most one output per input)"
+        )
+        _fail("position.delivered", expected, delivered)
     return states
 
 

@@ -10,12 +10,18 @@ stream there:
   (its ``index`` is the smallest, ``c``): everything from ``c`` on comes out
   of those stages again;
 - every item before ``c`` that no rank has delivered — in some rank's
-  in-flight list, or in that rank's equalize round — back in central order,
-  as the shard's ``queue``, each with the ``count`` totals it arrived with;
+  in-flight list, or in that rank's equalize round (with ``drop_last`` after
+  the end of the epoch: the round it dropped) — back in central order, as the
+  shard's ``queue``, each with the ``count`` totals it arrived with;
 - the items at ``c`` or later that a rank further ahead already delivered, as
   the shard's ``drop`` list (only ``equalize=None`` has these: at most
   ``world_size - 1`` items, which the central stages compute again and the
   shard discards).
+
+The result depends only on what each rank has delivered, never on how far its
+feeder had read ahead: the old world size's end-of-epoch decision (which
+round ``drop_last`` dropped, which items ``pad`` repeated) is undone, and the
+new ranks' shard makes its own.
 
 No worker is asked and nothing is replayed. The global state has no in-flight
 items of its own; every rank of any world size loads it and its shard
@@ -29,7 +35,13 @@ import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import attrs
+
+from centralpipe import checkpoint
 from centralpipe.errors import CheckpointError
+from centralpipe.specs import WORKER_KINDS
+from centralpipe.stages import NODE_CLASSES, Parallel
+from centralpipe.stages.shard import ANY_EQUALIZE, check_shard_state
 
 __all__ = ["is_global", "merge_states"]
 
@@ -48,10 +60,14 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     all taken after the same number of steps (any order).
 
     Load it with ``loader.load_state_dict`` on every rank of a job of any world
-    size, with any ``num_workers``. Raises ``CheckpointError`` naming what is
-    wrong: an incomplete set, a rank twice, states of different pipelines,
-    seeds, epochs or step counts, or a pipeline that cannot be resumed
-    elastically (no ``shard()``, or a central stage after it)."""
+    size, with any ``num_workers``. Every rank's state is first checked as
+    ``load_state_dict`` checks a checkpoint, against what the state says of its
+    pipeline (what needs the stages' own arguments is checked when the global
+    state is loaded). Raises ``CheckpointError`` naming what is wrong: a damaged
+    rank's state (``states[i] (rank r):`` and the words ``load_state_dict``
+    would use), an incomplete set, a rank twice, states of different
+    pipelines, seeds, epochs or step counts, or a pipeline that cannot be
+    resumed elastically (no ``shard()``, or a central stage after it)."""
     if isinstance(states, Mapping) or not isinstance(states, Sequence):
         msg = (
             "merge_states needs a list of state_dict()s, one per rank, got "
@@ -65,12 +81,95 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             what = "a dict without 'distributed'" if isinstance(sd, Mapping) else type(sd).__name__
             msg = f"states[{i}] is not a centralpipe state_dict() (got {what})."
             raise CheckpointError(msg)
+    for i, sd in enumerate(states):
+        _validate(i, sd)
     merged = [is_global(sd) for sd in states]
     if any(merged):
         return _already_global(states, merged)
     ranks = [_Rank(i, sd) for i, sd in enumerate(states)]
     _check_same_job(ranks)
     return _merge(ranks)
+
+
+def _validate(i: int, sd: Mapping[str, Any]) -> None:
+    """Check ``states[i]`` as ``load_state_dict`` checks a checkpoint (the
+    typed model, then :func:`~centralpipe.checkpoint.check_pipeline`) against
+    what the state itself says of its pipeline; the error names the rank."""
+    try:
+        ckpt = checkpoint.structure(sd)
+        checkpoint.check_pipeline(ckpt, _declared(ckpt))
+    except CheckpointError as exc:
+        dist = sd.get("distributed")
+        rank = dist.get("rank") if isinstance(dist, Mapping) else None
+        who = f" (rank {rank})" if isinstance(rank, int) and not isinstance(rank, bool) else ""
+        raise CheckpointError(f"states[{i}]{who}: {exc}") from None
+
+
+@attrs.frozen
+class _Declared:
+    """A central stage as a checkpoint declares it (name and kind): its state
+    class and stamp, and the checks that hold for every pipeline with such a
+    stage (those that need the stage's arguments are made on load)."""
+
+    name: str
+    kind: str
+    parallel: bool
+    world_size: int
+    counted: bool
+
+    @property
+    def State(self) -> Any:  # the CentralNode attribute check_pipeline reads
+        cls = Parallel if self.parallel else NODE_CLASSES.get(self.kind)
+        return None if cls is None else cls.State
+
+    @property
+    def stamped(self) -> bool:
+        return self.kind in STAMPED_KINDS and not self.parallel
+
+    def check_state(self, state: Any, states: Mapping[str, Any]) -> None:
+        if self.kind == SHARD_KIND:  # its equalize mode is not in the checkpoint: any
+            check_shard_state(state, ANY_EQUALIZE, world_size=self.world_size, counted=self.counted)
+
+    def max_items_out(self, state: Any, bound_in: int | None) -> int | None:
+        return None
+
+
+def _declared(ckpt: checkpoint.Checkpoint) -> checkpoint.Expected:
+    """What loading ``ckpt`` would check it against, as far as the checkpoint
+    tells: its stages' kinds, its boundaries, its rank."""
+    fp = [list(pair) for pair in ckpt.fingerprint]
+    tip = _tip_boundary(fp)
+    names = [name for name, _ in fp if name in ckpt.central]
+    kinds = dict((name, kind) for name, kind in fp)
+    parallel = [name for name in names if name in ckpt.in_flight and name != tip]
+    nodes: list[_Declared] = []
+    for name in names:
+        counted = any(n.kind == "count" and n.stamped for n in nodes)
+        world = ckpt.distributed.world_size
+        nodes.append(_Declared(name, kinds[name], name in parallel, world, counted))
+    at = next((k for k, (_, kind) in enumerate(fp) if kind == "dispatch"), len(fp))
+    workers = [kind for _, kind in fp[at + 1 :]]
+    return checkpoint.Expected(
+        fingerprint=fp,
+        seed=ckpt.seed,
+        rank=ckpt.distributed.rank,
+        world_size=ckpt.distributed.world_size,
+        nodes=nodes,
+        boundaries=[*parallel, tip],
+        tip=tip,
+        stamped=[n for n in nodes if n.stamped],
+        multi_output=any(
+            k not in WORKER_KINDS or WORKER_KINDS[k].outputs == "any" for k in workers
+        ),
+        length=None,
+        segments={
+            name: (
+                [n for n in nodes[: names.index(name)] if n.stamped],
+                kinds[name] == "flat_map",
+            )
+            for name in parallel
+        },
+    )
 
 
 class _Rank:
@@ -258,7 +357,8 @@ def _merge(ranks: list[_Rank]) -> dict[str, Any]:
         p = start + t
         if p not in pending and not delivered(p):
             pending[p] = (item, rnd_stamps[t] if t < len(rnd_stamps) else None)
-    # With drop_last, the last incomplete round is gone once the shard is done.
+    # A drop_last shard keeps the round it dropped at the end; in states from
+    # before it did, that round is gone.
     lost_from = c - (c - base) % world if behind.get("done") else c
     # Items at c or later that a rank further ahead already delivered.
     ahead: set[int] = set()

@@ -9,7 +9,9 @@ the global state with ``cp.gather_states`` and rank 0 saves it as
 ``OUT_DIR/<mode>-<PHASE>.pt``. In phase 0 it also saves with
 ``torch.distributed.checkpoint``: each rank's own state under a per-rank key,
 the global state under one key, and — the mistake — each rank's own state under
-one shared key, which must be refused on load with a message that says so.
+one shared key, which must be refused on load with a message that says so; and
+it gathers the state of a run whose feeder had read to the end of the epoch
+(``OUT_DIR/<mode>-end.pt``).
 Each rank writes what it saw to ``OUT_DIR/<PHASE>-rank<r>.json``.
 """
 
@@ -35,6 +37,22 @@ def config(workers: int) -> cp.LoaderConfig:
         workers=cp.WorkerConfig(num_workers=workers, buffer_size=4, start_method="fork"),
         distributed=cp.DistributedConfig.from_env(),
     )
+
+
+def feeder_at_end(equalize: str, out: Path) -> None:
+    """3 steps with a feeder that has read to the end of the epoch (no
+    workers: it pulls one chunk of 64 items, the whole epoch, at the first
+    step); rank 0 saves the gathered state as ``OUT_DIR/<mode>-end.pt``."""
+    workers = cp.WorkerConfig(num_workers=0, buffer_size=None, chunk_size=64)
+    config = cp.LoaderConfig(workers=workers, distributed=cp.DistributedConfig.from_env())
+    with cp.Loader(pipe(equalize), config) as loader:
+        it = iter(loader)
+        for _ in range(3):
+            next(it)
+        assert loader.query("shard_5")["done"]
+        merged = cp.gather_states(loader)
+    if dist.get_rank() == 0:
+        torch.save(merged, out / f"{equalize}-end.pt")
 
 
 def dcp_recipes(equalize: str, loader: cp.Loader[Any], out: Path, workers: int) -> dict[str, Any]:
@@ -84,6 +102,8 @@ def run_rank(out: Path, phase: int, steps: int, workers: int) -> dict[str, Any]:
             result[equalize] = {"items": got, "position": merged["position"]}
             if phase == 0:
                 result[equalize]["dcp"] = dcp_recipes(equalize, loader, out, workers)
+        if phase == 0:
+            feeder_at_end(equalize, out)
     return result
 
 

@@ -8,7 +8,10 @@ uninterrupted pass on one rank: the old ranks got their shards of its first
 
 from __future__ import annotations
 
+import copy
 import io
+import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -114,31 +117,60 @@ def check_views(
             assert view == ref["batches"][at], (equalize, world, rank, j)
 
 
+#: How far the feeder reads ahead of delivery: with no workers it pulls one
+#: chunk at a time when the consumer needs an item, so a fixed chunk size
+#: fixes the read-ahead (13: to the end of the epoch from the first step on).
+READ_AHEAD = {"feeder-at-delivered": 1, "feeder-in-the-middle": 3, "feeder-at-end": 13}
+
+
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("chunk", READ_AHEAD.values(), ids=READ_AHEAD.keys())
 @pytest.mark.parametrize("equalize", EQUALIZE, ids=str)
 @pytest.mark.parametrize("world", [1, 2, 3], ids=lambda w: f"from{w}")
 def test_merged_state_resumes_exactly_on_any_world_size_at_every_step(
-    reference: dict[str, Any], equalize: str | None, world: int
+    reference: dict[str, Any], equalize: str | None, world: int, chunk: int
 ) -> None:
-    """At every step k, merging all ranks' states and resuming on 1 to 4 ranks
-    delivers each remaining central item exactly once, split by the new shard,
+    """At every step k, however far the feeder had read ahead, merging all
+    ranks' states and resuming on 1 to 4 ranks gives what an uninterrupted
+    run on that world size gives from the global position: each remaining
+    central item exactly once, split (and dropped or padded) by the new shard,
     with the delivered count view exact after every item."""
     per_rank = model(reference["stream"], equalize, world)
     steps = min(len(s) for s in per_rank)
     for k in range(steps + 1):
-        heads, states = take(equalize, world, k, buffer_size=5)
+        heads, states = take(equalize, world, k, buffer_size=None, chunk_size=chunk)
         assert heads == [s[:k] for s in per_rank]
         merged = cp.merge_states(states)
         start = k * world
         for new_world in (1, 2, 3, 4):
             tails, views = resume(equalize, merged, new_world)
-            want = model(reference["stream"][start:], equalize, new_world)
-            if equalize == "drop_last" and tails != want:
-                # The old ranks had reached the end and dropped their last round.
-                cut = N - N % world
-                want = model(reference["stream"][start:cut], equalize, new_world)
-            assert tails == want, (k, new_world)
+            assert tails == model(reference["stream"][start:], equalize, new_world), (k, new_world)
             check_views(reference, equalize, start, new_world, views)
+
+
+@pytest.mark.timeout(60)
+def test_feeder_done_reading_during_a_slow_step_drops_nothing_on_one_rank(
+    reference: dict[str, Any],
+) -> None:
+    """A checkpoint taken after a slow step, when a worker-fed run has read to
+    the end of the epoch and its 2-rank drop_last has dropped the last round,
+    resumes on 1 rank with that round's item: the merge re-decides for 1 rank."""
+    states = []
+    for rank in range(2):
+        config = loader_config(rank=rank, world_size=2, num_workers=1, buffer_size=None)
+        with cp.Loader(pipe("drop_last"), config) as ld:
+            it = iter(ld)
+            head = [next(it) for _ in range(3)]
+            assert head == model(reference["stream"], "drop_last", 2)[rank][:3]
+            deadline = time.monotonic() + 30
+            while not ld.query("shard_5")["done"]:  # the slow step: the feeder reads on
+                assert time.monotonic() < deadline, "the feeder did not reach the end in 30 s"
+                time.sleep(0.01)
+            states.append(ld.state_dict())
+    tails, _ = resume("drop_last", cp.merge_states(states), 1)
+    assert tails == [reference["stream"][6:]]
+    last = list(reference["stream"][24])  # the dropped round, as each shard keeps it
+    assert [s["central"]["shard_5"]["round"] for s in states] == [[last], [last]]
 
 
 @pytest.mark.timeout(120)
@@ -284,7 +316,10 @@ def test_states_of_different_jobs_or_steps_are_refused() -> None:
     _refused([states[0], seeded], "different seeds")
     later = dict(states[1], epoch=states[1]["epoch"] + 1)
     _refused([states[0], later], "different epochs")
-    renamed = dict(states[1], fingerprint=[["x", "iterable"], *states[1]["fingerprint"][1:]])
+    central = dict(states[1]["central"])
+    central["x"] = central.pop("source")
+    fingerprint = [["x", "iterable"], *states[1]["fingerprint"][1:]]
+    renamed = dict(states[1], fingerprint=fingerprint, central=central)
     _refused([states[0], renamed], "different pipelines")
 
 
@@ -372,3 +407,155 @@ def test_per_rank_checkpoints_after_an_elastic_resume_resume_exactly(
             with cp.Loader(pipe(equalize), config) as ld:
                 ld.load_state_dict(state)
                 assert head + list(ld) == want[rank], (rank, k)
+
+
+def _flight1(sd: dict[str, Any]) -> dict[str, Any]:
+    flight: dict[str, Any] = sd["in_flight"]["dispatch"]
+    return flight
+
+
+def _extra_item(sd: dict[str, Any]) -> None:
+    flight = _flight1(sd)
+    flight["items"].append(flight["items"][0])
+    flight["stamps"].append(flight["stamps"][0])
+
+
+#: A defect in rank 1's state: the mutation, and the refusal (of
+#: load_state_dict on rank 1, and of merge_states naming the rank).
+RANK_DEFECTS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
+    "extra-in-flight-item": (
+        _extra_item,
+        r"in_flight\['dispatch'\]\.next_seq must be first_seq \+ len\(items\) = 2 \+ 4 = 6, got 5",
+    ),
+    "next-seq-plus-5": (
+        lambda sd: _flight1(sd).update(next_seq=_flight1(sd)["next_seq"] + 5),
+        r"in_flight\['dispatch'\]\.next_seq must be first_seq \+ len\(items\) = 2 \+ 3 = 5, got 10",
+    ),
+    "rank-str": (
+        lambda sd: sd["distributed"].update(rank="1"),
+        r"distributed\.rank must be an int >= 0, got '1'",
+    ),
+    "rank-bool": (
+        lambda sd: sd["distributed"].update(rank=True),
+        r"distributed\.rank must be an int >= 0, got True",
+    ),
+    "rank-float": (
+        lambda sd: sd["distributed"].update(rank=1.0),
+        r"distributed\.rank must be an int >= 0, got 1\.0",
+    ),
+    "stamps-none": (
+        lambda sd: _flight1(sd).update(stamps=None),
+        r"in_flight\['dispatch'\]\.stamps must be one stamp per in-flight item, got None",
+    ),
+    "shard-round-not-a-list": (
+        lambda sd: sd["central"]["shard_5"].update(round="junk"),
+        r"central\['shard_5'\]\.round must be a list, got 'junk'",
+    ),
+    "shard-round-too-long": (
+        lambda sd: sd["central"]["shard_5"].update(round=[["w"]] * 3),
+        r"central\['shard_5'\]\.round must be 0 items \(\(index 10 - base 0\) mod world_size 2\)",
+    ),
+    "delivered-relabelled-to-a-later-step": (
+        lambda sd: sd["position"].update(delivered=3),
+        r"position\.delivered must be <= in_flight\['dispatch'\]\.first_seq \(2, the items "
+        r"delivered: the worker stages make at most one output per input\), got 3",
+    ),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("defect", RANK_DEFECTS, ids=str)
+def test_merge_refuses_a_rank_state_that_loading_refuses(defect: str) -> None:
+    """A defect in one rank's state is refused by merge_states as load_state_dict
+    refuses it on that rank: the same words, after the rank's place and number."""
+    mutate, match = RANK_DEFECTS[defect]
+    states = take("drop_last", 2, 2, buffer_size=None, chunk_size=5)[1]
+    assert len(_flight1(states[1])["items"]) == 3  # the defects need items in flight
+    damaged = copy.deepcopy(states[1])
+    mutate(damaged)
+    with (
+        cp.Loader(pipe("drop_last"), loader_config(rank=1, world_size=2)) as ld,
+        pytest.raises(cp.CheckpointError, match=match) as loading,
+    ):
+        ld.load_state_dict(damaged)
+    with pytest.raises(cp.CheckpointError) as merging:
+        cp.merge_states([states[0], damaged])
+    rank = "" if defect.startswith("rank-") else " (rank 1)"
+    assert str(merging.value) == f"states[1]{rank}: {loading.value}"
+
+
+@pytest.mark.timeout(60)
+def test_dropped_round_in_a_rank_state_loads_and_older_states_still_merge(
+    reference: dict[str, Any],
+) -> None:
+    """A drop_last rank state at the epoch's end keeps the dropped round and
+    resumes exactly on its own rank (nothing more this epoch); a state from
+    before the round was kept (round []) still loads and merges, without that
+    round; a round of the wrong length is refused."""
+    stream = reference["stream"]
+    _, states = take("drop_last", 2, 12, buffer_size=None, chunk_size=13)
+    assert [s["central"]["shard_5"]["round"] for s in states] == [[list(stream[24])]] * 2
+    older = copy.deepcopy(states)
+    for sd in older:
+        sd["central"]["shard_5"].update(round=[], round_stamps=[])
+    for rank in range(2):
+        for sd in (states[rank], older[rank]):
+            with cp.Loader(pipe("drop_last"), loader_config(rank=rank, world_size=2)) as ld:
+                ld.load_state_dict(sd)
+                assert list(ld) == []
+    assert resume("drop_last", cp.merge_states(states), 1)[0] == [[stream[24]]]
+    assert resume("drop_last", cp.merge_states(older), 1)[0] == [[]]
+    bad = copy.deepcopy(states[0])
+    bad["central"]["shard_5"]["round"] *= 2
+    bad["central"]["shard_5"]["round_stamps"] *= 2
+    match = (
+        r"central\['shard_5'\]\.round must be 1 items \(\(index 25 - base 0\) mod world_size 2\), "
+        r"the round drop_last dropped at the end, or \[\], got"
+    )
+    with (
+        cp.Loader(pipe("drop_last"), loader_config(rank=0, world_size=2)) as ld,
+        pytest.raises(cp.CheckpointError, match=match),
+    ):
+        ld.load_state_dict(bad)
+    with pytest.raises(cp.CheckpointError, match=r"states\[0\] \(rank 0\): damaged.*" + match):
+        cp.merge_states([bad, states[1]])
+
+
+def _poison(batch: Any) -> tuple[Any, ...]:
+    """A worker map that fails on central item 4 (rank 0's third of 2 ranks;
+    no other batch equals it)."""
+    if batch == list(_POISON):
+        raise ValueError("poison")
+    return tuple(batch)
+
+
+_POISON: tuple[Any, ...] = ()
+
+
+@pytest.mark.timeout(60)
+def test_states_with_a_skipped_item_merge(
+    reference: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With on_error="skip", a rank that skipped an item has delivered fewer
+    outputs than items (position.delivered < first_seq): its state still
+    merges, and the resumed rank gets every item after the global position."""
+    stream = reference["stream"]
+    assert stream.count(stream[4]) == 1
+    monkeypatch.setattr(sys.modules[__name__], "_POISON", stream[4])
+    states = []
+    for rank in range(2):
+        config = cp.LoaderConfig(
+            workers=cp.WorkerConfig(num_workers=0, chunk_size=1, on_error="skip"),
+            distributed=cp.DistributedConfig(rank=rank, world_size=2),
+        )
+        with cp.Loader(pipe("drop_last", after=_poison), config) as ld:
+            it = iter(ld)
+            head = [next(it) for _ in range(3)]
+            states.append(ld.state_dict())
+        assert head == [s for s in stream[rank::2] if s != stream[4]][:3]
+    assert [(s["position"]["delivered"], _flight1(s)["first_seq"]) for s in states] == [
+        (3, 4),
+        (3, 3),
+    ]
+    tails, _ = resume("drop_last", cp.merge_states(states), 1)
+    assert tails == [stream[7:]]

@@ -1,5 +1,6 @@
 """Elastic resume under torchrun (gloo on loopback): 2 ranks → 3 ranks → 2 ranks,
-and 2 ranks → 1 process, with different ``num_workers`` in each run.
+and 2 ranks → 1 process (also with the feeder read to the end of the epoch),
+with different ``num_workers`` in each run.
 
 The ranks run ``tests/dist_elastic_worker.py`` and write what they saw; the
 reference is one uninterrupted pass in this process (``tests/test_elastic.py``
@@ -90,6 +91,20 @@ def test_two_ranks_resume_on_one_process(
     (with two workers) on the rest of the stream."""
     state = torch.load(phases["out"] / f"{equalize}-0.pt", weights_only=True)
     with cp.Loader(pipe(equalize), loader_config(num_workers=2)) as loader:
+        loader.load_state_dict(state)
+        assert _lists(list(loader)) == stream[6:]
+
+
+@pytest.mark.timeout(4 * RUN_TIMEOUT_S)
+@pytest.mark.parametrize("equalize", EQUALIZE)
+def test_gathered_with_the_feeder_at_the_end_resumes_on_one_process(
+    phases: dict[str, Any], stream: list[Any], equalize: str
+) -> None:
+    """gather_states after 3 steps of 2 ranks whose feeders had read to the end
+    of the epoch (so 2-rank drop_last had dropped the last round) resumes in
+    one process on the whole rest of the stream: nothing is dropped on 1 rank."""
+    state = torch.load(phases["out"] / f"{equalize}-end.pt", weights_only=True)
+    with cp.Loader(pipe(equalize), loader_config()) as loader:
         loader.load_state_dict(state)
         assert _lists(list(loader)) == stream[6:]
 

@@ -3,9 +3,10 @@
 Every rank runs the same central stream, so equalising needs no
 communication: ``"drop_last"`` emits a rank's item only once its whole round
 of ``world_size`` items exists (the last incomplete round is dropped on every
-rank); ``"pad"`` completes that last round by reusing its items cyclically, so
-nothing is dropped. ``index`` — the stream position of the next item — is
-recorded in every checkpoint.
+rank, and kept in the state's ``round``, so that a merge for another world
+size can decide again); ``"pad"`` completes that last round by reusing its
+items cyclically, so nothing is dropped. ``index`` — the stream position of
+the next item — is recorded in every checkpoint.
 
 Elastic resume (:mod:`centralpipe.elastic`) needs three more things, all empty
 in a run that started at the beginning of an epoch:
@@ -44,7 +45,7 @@ from centralpipe.stages.base import CentralNode, RunContext, Total
 from centralpipe.stages.count import Count
 from centralpipe.validators import FieldError, checked, int_in, sequence_of
 
-__all__ = ["Shard", "ShardState", "shard_length"]
+__all__ = ["ANY_EQUALIZE", "Shard", "ShardState", "check_shard_state", "shard_length"]
 
 INDEX_KEY = "index"
 ROUND_KEY = "round"
@@ -200,7 +201,8 @@ class Shard(CentralNode[Any]):
                         self._emitted = self._round_stamps[k]
                     self._round, self._round_stamps = [], []
                     return out
-                self._round, self._round_stamps = [], []
+                # drop_last keeps the round it dropped (and its stamps) in the
+                # state: on another world size (``merge_states``) it may be whole.
                 raise
             if counted:  # the stamp first: the round and its stamps stay aligned
                 arrival = self.arrival
@@ -274,25 +276,55 @@ class Shard(CentralNode[Any]):
         return state.index - state.base + (self._equalize == "pad")
 
     def check_state(self, state: ShardState, states: Mapping[str, Any]) -> None:
-        # The round holds the items of the current round of world_size so far
-        # (rounds count from base); a global state's round is empty.
-        if self._equalize is None or state.done:
-            if state.round:
-                raise FieldError("round", "[] (no round is being filled)", state.round)
-            if state.done and self._equalize is None:
-                raise FieldError("done", "False (equalize is None)", state.done)
+        check_shard_state(
+            state, (self._equalize,), world_size=self.ctx.world_size, counted=bool(self.counts)
+        )
+
+
+#: Every ``equalize`` mode: what :func:`check_shard_state` allows when the
+#: pipeline is not at hand (``merge_states``).
+ANY_EQUALIZE: tuple[str | None, ...] = ("drop_last", "pad", None)
+
+
+def check_shard_state(
+    state: ShardState, modes: tuple[str | None, ...], *, world_size: int, counted: bool
+) -> None:
+    """Raise ``FieldError`` unless ``state`` is a valid state of a shard with
+    one of the ``equalize`` modes ``modes`` on ``world_size`` ranks (``counted``:
+    count stages precede it); the error is that of the first mode."""
+    errors = []
+    for equalize in modes:
+        try:
+            _check_round(state, equalize, world_size, counted)
             return
-        n = (state.index - state.base) % self.ctx.world_size
-        if len(state.round) != n:
-            expected = (
-                f"{n} items ((index {state.index} - base {state.base}) mod world_size "
-                f"{self.ctx.world_size})"
-            )
-            raise FieldError("round", expected, state.round)
-        if self.counts and len(state.round_stamps) != len(state.round):
-            raise FieldError("round_stamps", "one count stamp per round item", state.round_stamps)
-        if self.counts and len(state.queue_stamps) != len(state.queue):
-            raise FieldError("queue_stamps", "one count stamp per queued item", state.queue_stamps)
+        except FieldError as exc:
+            errors.append(exc)
+    raise errors[0]
+
+
+def _check_round(state: ShardState, equalize: str | None, world_size: int, counted: bool) -> None:
+    # The round holds the items of the current round of world_size so far
+    # (rounds count from base; after the end, drop_last's dropped round);
+    # a global state's round is empty.
+    if state.done and equalize is None:
+        raise FieldError("done", "False (equalize is None)", state.done)
+    if equalize is None or (state.done and equalize == "pad"):
+        if state.round:
+            raise FieldError("round", "[] (no round is being filled)", state.round)
+        return
+    n = (state.index - state.base) % world_size
+    # drop_last at the end: the round it dropped ([] from before it was kept).
+    if len(state.round) != n and not (state.done and not state.round):
+        expected = (
+            f"{n} items ((index {state.index} - base {state.base}) mod world_size {world_size})"
+        )
+        if state.done:
+            expected += ", the round drop_last dropped at the end, or []"
+        raise FieldError("round", expected, state.round)
+    if counted and len(state.round_stamps) != len(state.round):
+        raise FieldError("round_stamps", "one count stamp per round item", state.round_stamps)
+    if counted and len(state.queue_stamps) != len(state.queue):
+        raise FieldError("queue_stamps", "one count stamp per queued item", state.queue_stamps)
 
 
 def _wire(stamp: Stamp | None) -> list[list[Any]]:

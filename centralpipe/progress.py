@@ -164,7 +164,7 @@ class _Bar(Iterator[T]):
         held = self._held
         if held is not _NOTHING:  # taken by a next() that a Ctrl-C cut short
             self._held = _NOTHING
-            return held  # type: ignore[no-any-return]
+            return held
         if self._it is None:
             self._start()  # an interrupted start is started again next time
         assert self._it is not None

@@ -5,9 +5,9 @@ a call, at the entry of the ``k``-th Python function (or generator
 resumption) of centralpipe's own code the call runs (see ``_PACKAGE_DIR``),
 ``k`` drawn from a seeded ``random.Random``: the same seed lands the interrupt
 at the same point of the same code path. It lands where a Ctrl-C does: in the
-main thread, at a function's entry, where CPython checks for signals (a signal
-is not handled between the lines of a ``finally`` clause or of a ``with``
-statement's exit, so injecting there would model no real interrupt), and never
+main thread, at a function's entry, where CPython checks for signals (it also
+checks right after each call into C returns, which this model does not reach:
+``tests/test_real_signals.py`` sends real SIGINTs for that), and never
 in the feeder, supervisor or worker threads, which a Ctrl-C never reaches. A
 call that ends before its ``k``-th event is counted as *missed*.
 

@@ -25,6 +25,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from centralpipe.dispatch.boundary import Run
+from centralpipe.dispatch.guard import new_chain_lock
 from centralpipe.dispatch.pinning import Pinner
 from centralpipe.dispatch.pool import Executor
 from centralpipe.dispatch.starter import BackgroundStart
@@ -47,7 +48,7 @@ class Resources:
         self.pinner: Pinner | None = None
         self.nodes: list[CentralNode[Any]] = []
         #: Held across every central ``next()`` (see dispatch.guard).
-        self.chain_lock = threading.Lock()
+        self.chain_lock = new_chain_lock()
 
     def end_run(self) -> None:
         """Stop the current run (bounded). It stays registered until it has
@@ -112,13 +113,14 @@ class Resources:
                     self.pinner.close()
                 # Files are closed unless a stopped run's thread is still
                 # inside a central next(): then they close with the nodes.
-                # Taken inside the try (an interrupt between taking it and
-                # the try would keep the chain locked for good).
-                got = False
+                # Taken inside the try, and released by this thread if it has
+                # it, not if a flag says so: an interrupt landing as the
+                # acquire returns comes before any flag is set.
                 try:
-                    got = bool(self.nodes) and self.chain_lock.acquire(blocking=False)
-                    if got:
+                    if self.nodes and self.chain_lock.acquire(blocking=False):
                         self.nodes[-1].release()
                 finally:
-                    if got:
+                    try:
                         self.chain_lock.release()
+                    except RuntimeError:  # not taken
+                        pass

@@ -577,4 +577,6 @@ class _Pass(Iterator[T]):
                 # after this point must not start the pass a second time.
                 self._run = loader._start_run()
             outputs = self._outputs = self._run.outputs()
-        return next(outputs)
+        # A method call, not ``next(outputs)``: a Ctrl-C handled as that
+        # builtin returns would drop the output it got (see Stream.next_output).
+        return outputs.__next__()

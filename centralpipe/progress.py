@@ -25,6 +25,8 @@ T = TypeVar("T")
 
 ITEMS_KEY = "items"
 WEIGHT_KEY = "weight"
+#: No item is held (see ``_Progress.__next__``).
+_NOTHING: Any = object()
 
 
 def progress(
@@ -130,6 +132,8 @@ class _Bar(Iterator[T]):
         self._loader = loader
         self._stage = stage
         self._bar_args = (total, unit, desc, tqdm_kwargs)
+        #: An item taken from the loader but not yet returned (``_NOTHING``: none).
+        self._held: Any = _NOTHING
         self._min_interval_s = min_interval_s
         self._it: Iterator[T] | None = None
         self._bar: Any = None
@@ -157,11 +161,17 @@ class _Bar(Iterator[T]):
     def __next__(self) -> T:
         if self._done:
             raise StopIteration
+        held = self._held
+        if held is not _NOTHING:  # taken by a next() that a Ctrl-C cut short
+            self._held = _NOTHING
+            return held
         if self._it is None:
             self._start()  # an interrupted start is started again next time
         assert self._it is not None
         try:
-            item = next(self._it)
+            # A method call, not ``next()``: CPython may handle a Ctrl-C as
+            # that builtin returns, dropping the item.
+            item = self._it.__next__()
         except StopIteration:
             self.close()
             raise
@@ -171,11 +181,15 @@ class _Bar(Iterator[T]):
         except BaseException:  # Ctrl-C: the pass goes on at the next ``next()``
             self._refresh()
             raise
+        # Kept (no call in between) until it is returned: a Ctrl-C in the
+        # bar's update hands it out at the next ``next()``, not never.
+        self._held = item
         if not self._bar.disable:
             now = time.monotonic()
             if now - self._last >= self._min_interval_s:
                 self._last = now
                 self._refresh()
+        self._held = _NOTHING
         return item
 
     def _refresh(self) -> None:

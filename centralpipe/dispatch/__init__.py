@@ -79,11 +79,11 @@ re-checks for stop and errors; ``Session.wake`` is the one condition that
 results, re-sends, errors and room in a buffer notify):
 
 - central thread, buffer full (in items, or in bytes: ``budget``) or waiting
-  for a parallel stage's result: ``Session.wake.wait(POLL_S)``;
+  for a parallel stage's result: ``Session.wake.wait_unless(..., POLL_S)``;
 - central thread, pipe full: ``send_bytes`` to one worker; ended by that
   worker reading (its output is always read), dying, or being killed by
   ``Session.stop`` after ``STOP_TIMEOUT_S``;
-- consumer, waiting for the head chunk: ``Session.wake.wait(POLL_S)``;
+- consumer, waiting for the head chunk: ``Session.wake.wait_unless(..., POLL_S)``;
 - supervisor: ``multiprocessing.connection.wait`` on every pipe, process
   sentinel and a wake-up pipe (``POLL_S``), or a queue ``get`` for threads.
   At the byte bound it leaves some workers' pipes unread, never one that owes
@@ -142,6 +142,22 @@ exception raised through a generator ends it). Every close is finished by
 the next call: a resource is forgotten only once released, and every pipe
 end and ring is registered as it is opened
 (``tests/test_dispatch_interrupts.py``).
+
+A real SIGINT is handled where CPython checks for one: as a Python
+function starts, on a backward jump, after a call into C returns. So every
+lock the consumer takes is released at C level: the chain lock (an
+``RLock``) by its own ``__exit__``, which ``with guard.hold(...)`` calls
+without entering Python code (``guard.Holding``), or in a ``finally`` that
+calls ``release()`` first and lets the owner check tell whether this thread
+took it; the bookkeeping locks by ``with lock:``; the run's wake-up
+(``guard.Wake``) is no ``threading.Condition``, whose Python ``__exit__``
+and ``wait()`` an interrupt can cut between lock calls. Deferring SIGINT in
+the critical sections instead would need a Python signal handler of ours,
+which any handler the user installs later replaces, and ``pthread_sigmask``
+in the main thread does not stop another thread from taking the signal.
+Each position moves with no call between the move and its record (a
+``for`` takes an output; ``pending`` changes last), so nothing is lost or
+handed out twice (``tests/test_real_signals.py``).
 
 Races the design rules out (each with a test that makes it happen,
 ``tests/test_by_design.py``): a status read in the middle of the worker's

@@ -63,7 +63,7 @@ class Run:
         run_id: int = 0,
         delivered: int = 0,
         pinner: Any = None,
-        chain_lock: threading.Lock | None = None,
+        chain_lock: threading.RLock | None = None,
         warm: WarmStart | None = None,
     ) -> None:
         self.nodes = list(nodes)
@@ -199,12 +199,13 @@ class Run:
         return self.stream.outputs()
 
     def reading(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """The chain lock, to read central stages (``guard.Holding``)."""
         return self.stream.reading(what)
 
     def capture(self, what: str = "state_dict()") -> dict[str, Any]:
         """Central states, the dispatch boundary's and every parallel stage's
         in-flight inputs, all at the consumer's position (one lock)."""
-        with self.stream.reading(what):
+        with self.stream.reading(what), self.stream.lock:
             body = self.stream.capture_unlocked()
             body["central"] = {node.name: node.own_state() for node in self.nodes}
             body["segments"] = {

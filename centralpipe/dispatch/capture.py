@@ -12,14 +12,13 @@ bookkeeping; the invariants it relies on are in
 
 from __future__ import annotations
 
-import contextlib
 import operator
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from centralpipe.dispatch.guard import hold
+from centralpipe.dispatch.guard import Holding
 from centralpipe.dispatch.protocol import Chunk
 from centralpipe.stages import CentralNode
 
@@ -31,7 +30,7 @@ class Capture:
     which sets every attribute declared here."""
 
     lock: threading.Lock
-    chain_lock: threading.Lock
+    chain_lock: threading.RLock
     next_seq: int
     delivered: int
     pending: deque[Chunk]
@@ -77,25 +76,20 @@ class Capture:
                 last = i
         return len(counts), 0, last
 
-    @contextlib.contextmanager
-    def reading(self, what: str = "state_dict()") -> Iterator[None]:
-        """Hold both locks to read state. The central thread yields to waiting
-        readers between pull slices, so a reader waits for at most one
-        ``next()`` of the chain, and never longer than ``CENTRAL_WAIT_S``
-        (then ``TimeoutError`` naming the stage that keeps the chain)."""
-        with self._readers_lock:
-            self._readers += 1
-        try:
-            with hold(self.chain_lock, what, self._chain_nodes), self.lock:
-                yield
-        finally:
-            with self._readers_lock:
-                self._readers -= 1
+    def reading(self, what: str = "state_dict()") -> Holding:
+        """``with s.reading(what), s.lock:`` holds both locks to read state.
+        The central thread yields to waiting readers between pull slices, so
+        a reader waits for at most one ``next()`` of the chain, and never
+        longer than ``CENTRAL_WAIT_S`` (then ``TimeoutError`` naming the stage
+        that keeps the chain). Both locks are released at C level (see
+        :class:`~centralpipe.dispatch.guard.Holding`): no interrupt can leave
+        either held."""
+        return Holding(self.chain_lock, what, self._chain_nodes, readers=self)
 
     def capture(self) -> dict[str, Any]:
         """This stream's part of the checkpoint at the consumer's position:
         ``next_seq``, ``in_flight``, ``delivered_stamp`` and ``finished``."""
-        with self.reading():
+        with self.reading(), self.lock:
             return self.capture_unlocked()
 
     def capture_unlocked(self) -> dict[str, Any]:

@@ -24,11 +24,19 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from types import CodeType, FrameType
 from typing import Any
 
-__all__ = ["CENTRAL_WAIT_S", "Holding", "busy_stage", "hold", "join_started"]
+__all__ = [
+    "CENTRAL_WAIT_S",
+    "Holding",
+    "Wake",
+    "busy_stage",
+    "hold",
+    "join_started",
+    "new_chain_lock",
+]
 
 #: Longest wait of ``state_dict()``, ``query()``, ``load_state_dict()`` and the
 #: start of a pass for a central ``next()`` in progress (seconds).
@@ -38,31 +46,123 @@ CENTRAL_WAIT_S = 60.0
 _START_GRACE_S = 0.2
 
 
-class Holding:
-    """``with hold(lock, what, nodes):`` the chain lock, or ``TimeoutError``."""
+def new_chain_lock() -> threading.RLock:
+    """A chain lock: an ``RLock``, for its owner check (``release()`` by a
+    thread that does not hold it raises ``RuntimeError``), never entered
+    twice by one thread."""
+    return threading.RLock()
 
-    def __init__(self, lock: threading.Lock, what: str, nodes: Sequence[Any]) -> None:
+
+class Holding:
+    """``with hold(lock, what, nodes):`` the chain lock, or ``TimeoutError``.
+
+    No interrupt can leave the lock held. CPython handles a signal (runs the
+    Python handler: the ``KeyboardInterrupt``) at a Python function's entry,
+    after a call into C returns and on a loop's backward jump, never inside
+    one C call. So:
+
+    - the release is the lock's own C-level ``__exit__``, which the ``with``
+      statement looks up (``__exit__`` below is a property, read by ``with``
+      before ``__enter__`` runs) and calls without entering any Python
+      function; a Python ``__exit__`` could be interrupted at its entry,
+      before it releases;
+    - ``__enter__`` takes the lock in a ``try``: an interrupt landing as the
+      acquire returns (the lock taken, ``__enter__`` not yet returned, so the
+      ``with`` would never call ``__exit__``) is caught there, and the lock
+      released by this thread (``RLock.release()`` raises instead of
+      releasing another thread's hold) before it is re-raised;
+    - from ``__enter__``'s return into the ``with`` block, and from the
+      block into the C-level release, no Python function runs.
+    """
+
+    __slots__ = ("lock", "nodes", "readers", "what")
+
+    def __init__(
+        self, lock: threading.RLock, what: str, nodes: Sequence[Any], readers: Any = None
+    ) -> None:
         self.lock = lock
         self.what = what
         self.nodes = nodes
-
-    # The lock's own acquire and release are called right here, not through
-    # helper methods: a Ctrl-C is taken at the entry of a Python function, and
-    # one landing at the entry of a helper called from ``__exit__`` would keep
-    # the chain locked for good (every later pass and state_dict() then times
-    # out). Between the C-level acquire and the ``with`` block, and in here
-    # before the release, no Python function is entered.
+        #: An object whose ``_readers`` counts the threads waiting for the
+        #: lock (under its ``_readers_lock``): the central thread yields to them.
+        self.readers = readers
 
     def __enter__(self) -> None:
+        lock, readers = self.lock, self.readers
         started = time.monotonic()
-        if not self.lock.acquire(timeout=CENTRAL_WAIT_S):
+        counted = False
+        try:
+            if readers is not None:
+                with readers._readers_lock:
+                    readers._readers += 1
+                    counted = True
+            got = lock.acquire(True, CENTRAL_WAIT_S)
+        except BaseException:
+            # Interrupted in the wait (not taken), or as the acquire returned
+            # (taken): release it if this thread has it, then re-raise.
+            try:
+                lock.release()
+            except RuntimeError:
+                pass
+            raise
+        finally:
+            if counted:
+                with readers._readers_lock:
+                    readers._readers -= 1
+        if not got:
             raise TimeoutError(_busy_text(self.what, self.nodes, time.monotonic() - started))
 
-    def __exit__(self, *exc: object) -> None:
-        self.lock.release()
+    @property
+    def __exit__(self) -> Callable[..., Any]:
+        """The lock's own (C-level) ``__exit__``: it releases the lock."""
+        return self.lock.__exit__
 
 
-def hold(lock: threading.Lock, what: str, nodes: Sequence[Any]) -> Holding:
+class Wake:
+    """Wakes every thread waiting in :meth:`wait_unless` at
+    :meth:`notify_all`; the one wake-up of a run (``Session.wake``).
+
+    Not a ``threading.Condition``: its ``__enter__``, ``__exit__`` and
+    ``wait()`` are Python code between C-level lock operations, so a Ctrl-C
+    in the consumer can leave its lock held (the supervisor's next notify
+    then blocks for good) or released under a ``with`` that releases it
+    again. Here every lock is a C-level ``with`` held for a few statements,
+    and a waiter waits on a lock of its own, holding nothing: an interrupt
+    anywhere leaves at most a stale waiter, which the next notify drops."""
+
+    __slots__ = ("_lock", "_waiters")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiters: list[Any] = []
+
+    def wait_unless(self, ready: Callable[[], bool], timeout: float) -> None:
+        """Wait at most ``timeout`` for a notify, unless ``ready()``. The
+        waiter is registered before ``ready()`` is read, so no notify between
+        the two is lost."""
+        waiter = threading.Lock()
+        waiter.acquire()
+        with self._lock:
+            self._waiters.append(waiter)
+        try:
+            if not ready():
+                waiter.acquire(True, timeout)
+        finally:
+            with self._lock:
+                try:
+                    self._waiters.remove(waiter)
+                except ValueError:  # taken by a notify
+                    pass
+
+    def notify_all(self) -> None:
+        """Wake every waiting thread (any thread may call it)."""
+        with self._lock:
+            waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            waiter.release()
+
+
+def hold(lock: threading.RLock, what: str, nodes: Sequence[Any]) -> Holding:
     """Hold ``lock`` (a chain lock) for ``what``, waiting at most
     :data:`CENTRAL_WAIT_S`; ``nodes`` are the chain's nodes (to name the
     stage that keeps it in the error)."""

@@ -185,10 +185,10 @@ class ProcessPool(Executor):
     def send(self, slot: Slot, message: Encoded) -> bool:
         if slot.conn is None:
             return False
-        slot.sending = True
-        if self._paused:
-            self.interrupt()  # the supervisor reads this worker while we write
         try:
+            slot.sending = True
+            if self._paused:
+                self.interrupt()  # the supervisor reads this worker while we write
             protocol.send_encoded(slot.conn, message)
             return True
         except (OSError, EOFError, ValueError):

@@ -100,21 +100,29 @@ def pull_chunk(s: Stream) -> Chunk | None:
     drivers then run it like any other, so the pass goes on exactly."""
     target = target_chunk(s)
     stamped = bool(s._stamped)
-    with s.lock:
-        if s.exhausted or s.stopping:
-            return None
-        if s.buffer_size is not None:
-            target = max(1, min(target, s.buffer_size - s.in_flight))
-        first_seq = s._resume[0][0] if s._resume else s.next_seq
-        chunk = Chunk(s.next_cid, first_seq, stamped)
-        s.next_cid += 1
-        s.pending.append(chunk)
-        s.by_cid[chunk.cid] = chunk
     counted = [0]  # items of the chunk already counted in next_seq and in_flight
+    chunk: Chunk | None = None
+    # The chunk is registered inside the try, in pending last: CPython may
+    # handle a Ctrl-C as any call returns (the append, the with's release),
+    # and an empty chunk left in pending would be retired in place of the
+    # next one (which would then be delivered twice).
     try:
-        return _fill(s, chunk, target, counted)
+        with s.lock:
+            if s.exhausted or s.stopping:
+                return None
+            if s.buffer_size is not None:
+                target = max(1, min(target, s.buffer_size - s.in_flight))
+            first_seq = s._resume[0][0] if s._resume else s.next_seq
+            new = Chunk(s.next_cid, first_seq, stamped)
+            # No call from here to the append: registered whole or not at all.
+            chunk = new
+            s.next_cid += 1
+            s.by_cid[new.cid] = new
+            s.pending.append(new)
+        return _fill(s, new, target, counted)
     except BaseException:
-        _keep(s, chunk, counted)
+        if chunk is not None:
+            _keep(s, chunk, counted)
         raise
 
 
@@ -169,10 +177,10 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
             # Lock hand-off is not fair: drop the GIL so a waiting
             # state_dict()/query() gets the lock before we take it again.
             time.sleep(0)
-        # Taken inside the try and noted in one statement: an interrupt
-        # (Ctrl-C) between taking it and entering the try would keep the
-        # chain locked for good (every state_dict() would time out).
-        acquired = False
+        # Taken inside the try, and released in the finally by this thread
+        # if it has it (an RLock's release() checks the owner): an interrupt
+        # (Ctrl-C) can land as the acquire returns, before any flag could
+        # record it, and a lock kept then would time out every state_dict().
         try:
             acquired = chain_lock.acquire(timeout=POLL_S)
             if not acquired:
@@ -250,7 +258,9 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
                     s.stats.dispatched += len(items)
                     return chunk
         finally:
-            if acquired:
+            try:
                 chain_lock.release()
+            except RuntimeError:  # not taken (timed out, or interrupted in the wait)
+                pass
     # stopping: leave the chunk in pending (the run is abandoned anyway)
     return None

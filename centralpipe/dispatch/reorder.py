@@ -40,6 +40,7 @@ from typing import Any, NoReturn
 from centralpipe.dispatch.budget import ResultBytes
 from centralpipe.dispatch.capture import Capture
 from centralpipe.dispatch.chain import WorkerChain
+from centralpipe.dispatch.guard import Wake, new_chain_lock
 from centralpipe.dispatch.protocol import Chunk, ChunkResult, InFlight, StageFailure
 from centralpipe.dispatch.stamps import Stamper
 from centralpipe.errors import CheckpointError, WorkerError
@@ -133,7 +134,7 @@ class Stream(Capture):
         stream_id: int = 0,
         delivered: int = 0,
         rng_base: tuple[int, int, int] = (0, 1, 0),
-        chain_lock: threading.Lock | None = None,
+        chain_lock: threading.RLock | None = None,
     ) -> None:
         self.tip = tip
         self.stamper = stamper
@@ -155,17 +156,16 @@ class Stream(Capture):
         # with_rng keys: (base, step, offset): an item's key is base + seq*step + offset.
         self._key = rng_base
         #: Notified when room appears in the buffer (the pool's wake-up condition).
-        self.wake: threading.Condition | None = None
+        self.wake: Wake | None = None
         #: The run's count of bytes held by results (with workers; see dispatch.budget).
         self.held: ResultBytes | None = None
         #: Held across the central chain's ``next()``; the Loader's, for the
         #: dispatch stream (it outlives runs); a parallel stage's stream is
         #: only pulled under that one already.
-        self.chain_lock = threading.Lock() if chain_lock is None else chain_lock
+        self.chain_lock = new_chain_lock() if chain_lock is None else chain_lock
         self._chain_nodes = tip.chain()
         #: The bookkeeping lock: never held across user code.
         self.lock = threading.Lock()
-        self.cond = threading.Condition(self.lock)
         self.pending: deque[Chunk] = deque()
         self.by_cid: dict[int, Chunk] = {}
         self.next_cid = 0
@@ -361,7 +361,14 @@ class Stream(Capture):
         assert it is not None
         failure = self._cur_failure
         if failure is None or self._delivered_in_current() < self._cur_limit:
-            return next(it, _END)
+            # ``for``, not ``next(it, _END)``: CPython may handle a Ctrl-C
+            # right after a call returns, so the interrupt would land with
+            # the iterator advanced and the output dropped (every later
+            # batch shifted by one). ``for`` advances it without a call, and
+            # the output is returned with no call in between.
+            for out in it:
+                return out
+            return _END
         if self.stopping:  # stop() ended the chunk: superseded
             return _END
         seq = chunk.first_seq + failure.at
@@ -424,27 +431,31 @@ class Stream(Capture):
 
     def _retire(self, chunk: Chunk) -> None:
         """The current chunk is delivered. Its bytes first (idempotent), then
-        plain bookkeeping with no call in between, ``current`` cleared last:
-        a Ctrl-C leaves it retired whole or not at all."""
+        the counts it needs (calls, changing nothing), then plain bookkeeping
+        with no call in between, ending with the one call that changes
+        ``pending``: CPython handles a Ctrl-C only at a call (after a C call
+        returns, or as a Python function starts), so it leaves the chunk
+        retired whole or not at all (then the next call retires it)."""
         if self.held is not None:
             self.held.release(self, chunk)
-        with self.cond:
-            self.pending.popleft()
-            self.by_cid.pop(chunk.cid, None)
-            self.in_flight -= len(chunk.items)
+        with self.lock:
+            self.by_cid.pop(chunk.cid, None)  # idempotent
+            n = len(chunk.items)
+            done = len(chunk.result.outputs) if chunk.result else 0
+            pending = self.pending
+            # From here on no call until the last statement.
+            self.in_flight -= n
             if chunk.stamps:
                 self.last_stamp = chunk.stamps[-1]
-            done = len(chunk.result.outputs) if chunk.result else 0
             self.stats.delivered += done
             self.delivered += done
             self._cur_it = None
             self._cur_list = []
             self._cur_plain = False
             self.current = None
-            self.cond.notify_all()
+            pending.popleft()
         if self.wake is not None:
-            with self.wake:
-                self.wake.notify_all()
+            self.wake.notify_all()
 
     def stop(self) -> None:
         """Abandon or finish the run; idempotent and bounded (the bookkeeping
@@ -452,11 +463,10 @@ class Stream(Capture):
         iterator still delivering a chunk stops at its next item and raises
         (see ``outputs``)."""
         self.stopping = True  # first, without the lock: pullers and waiters give up
-        with self.cond:
+        with self.lock:
             it = self._cur_it
             if it is not None and not self.finished:
                 it.__setstate__(len(self._cur_list))  # type: ignore[attr-defined]
-            self.cond.notify_all()
         if self.driver is not None:
             self.driver.stop()
 

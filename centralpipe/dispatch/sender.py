@@ -284,9 +284,10 @@ class SegmentDriver(Driver):
                 return head
             if room:
                 continue  # keep the workers fed before waiting
-            with session.wake:
-                if not _head_ready(s) and not session.resend and session.error is None:
-                    session.wake.wait(POLL_S)
+            session.wake.wait_unless(
+                lambda: _head_ready(s) or bool(session.resend) or session.error is not None,
+                POLL_S,
+            )
 
 
 #: A feeder in these is not stuck in a central stage (a worker may unblock it).
@@ -326,9 +327,9 @@ class FeederDriver(Driver):
             while not (s.stopping or session.abandoned):
                 drain_resends(session)
                 if not self._room():
-                    with session.wake:
-                        if not (s.stopping or session.resend or self._room()):
-                            session.wake.wait(POLL_S)
+                    session.wake.wait_unless(
+                        lambda: s.stopping or bool(session.resend) or self._room(), POLL_S
+                    )
                     continue
                 chunk = pull_chunk(s)
                 if chunk is not None:
@@ -354,9 +355,10 @@ class FeederDriver(Driver):
                         raise error
                     raise RuntimeError("centralpipe feeder thread failed") from error
                 session.check()
-                with session.wake:
-                    if not _head_ready(s) and session.error is None and self.error is None:
-                        session.wake.wait(POLL_S)
+                session.wake.wait_unless(
+                    lambda: _head_ready(s) or session.error is not None or self.error is not None,
+                    POLL_S,
+                )
         finally:
             s.stats.wait_workers_s += time.perf_counter() - started
 

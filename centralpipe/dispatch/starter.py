@@ -64,7 +64,12 @@ class BackgroundStart:
             return False
         if self.error is not None:
             return True
-        return all(slot.ready() or not _alive(slot) for slot in self.pool.slots)
+        # A loop, not all() over a generator: a Ctrl-C landing as a generator
+        # left unfinished is finalized is ignored ("Exception ignored in").
+        for slot in self.pool.slots:  # noqa: SIM110
+            if not (slot.ready() or not _alive(slot)):
+                return False
+        return True
 
     def result(self) -> Executor:
         """The started executor, once every worker has started (waits for the

@@ -24,7 +24,7 @@ from typing import Any
 
 from centralpipe.dispatch import protocol
 from centralpipe.dispatch.budget import ResultBytes
-from centralpipe.dispatch.guard import join_started
+from centralpipe.dispatch.guard import Wake, join_started
 from centralpipe.dispatch.pool import Executor, Slot
 from centralpipe.dispatch.procpool import ProcessPool
 from centralpipe.dispatch.protocol import MSG_RESULT, MSG_STATES, Chunk, StageFailure
@@ -78,7 +78,7 @@ class Session:
         self.policy = policy
         self.stats = stats
         self.streams: list[Stream] = []
-        self.wake = threading.Condition()
+        self.wake = Wake()
         self.resend: deque[tuple[Stream, Chunk]] = deque()
         self.error: BaseException | None = None
         #: Set first when the run is stopped: senders and waiters give up.
@@ -119,8 +119,7 @@ class Session:
         return index
 
     def notify(self) -> None:
-        with self.wake:
-            self.wake.notify_all()
+        self.wake.notify_all()
 
     def check(self) -> None:
         """Raise the session's failure (a ``WorkerError``) in the caller."""
@@ -267,9 +266,12 @@ class Session:
         text = text if seq is not None else ""
         kind = ex.kind
         self.stats.restarts += 1
-        self.stats.epoch_restarts += 1
+        if not slot.cut_short:
+            # A worker killed because a Ctrl-C cut a send to it short is no
+            # failure: Ctrl-C pressed often must not use up max_restarts.
+            self.stats.epoch_restarts += 1
         logger.warning("%s worker %d %s%s; replacing it", kind, slot.index, what, text)
-        if self.stats.epoch_restarts > self.policy.max_restarts:
+        if self.stats.epoch_restarts > self.policy.max_restarts and not slot.cut_short:
             msg = (
                 f"{kind} worker {slot.index} {what}{text}; that is {self.stats.epoch_restarts} "
                 f"worker restarts this epoch, more than max_restarts={self.policy.max_restarts}."
@@ -343,19 +345,17 @@ class Session:
                 with slot.send_lock:
                     self.executor.send_control(slot, (MSG_STATES,))
             deadline = time.monotonic() + STATES_TIMEOUT_S
-            with self.wake:
-                while len(self.states) < len(self.executor.slots) and self.error is None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        missing = [
-                            s.index for s in self.executor.slots if s.index not in self.states
-                        ]
-                        msg = (
-                            f"workers {missing} did not answer a state request in "
-                            f"{STATES_TIMEOUT_S} s."
-                        )
-                        raise RuntimeError(msg)
-                    self.wake.wait(min(left, POLL_S))
+
+            def answered() -> bool:
+                return len(self.states) >= len(self.executor.slots) or self.error is not None
+
+            while not answered():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = [s.index for s in self.executor.slots if s.index not in self.states]
+                    msg = f"workers {missing} did not answer a state request in "
+                    raise RuntimeError(f"{msg}{STATES_TIMEOUT_S} s.")
+                self.wake.wait_unless(answered, min(left, POLL_S))
         finally:
             self.asking = False
         self.check()

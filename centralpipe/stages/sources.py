@@ -116,25 +116,34 @@ class IterableSource(CentralNode[Any]):
         # One C-level loop over the items: ``seq[i]`` per index (any sequence
         # or dataset, as :meth:`produce`), or the iterator sliced.
         before = len(out)
-        try:
-            if self._mode == "sequence":
-                seq, i = self._iterable, self._index
-                end = min(len(seq), i + n)
-                if i >= end:
-                    raise StopIteration
+        if self._mode == "sequence":
+            seq, i = self._iterable, self._index
+            end = min(len(seq), i + n)
+            if i >= end:
+                raise StopIteration
+            # The position moves first, and back if an item raised: CPython
+            # may handle a Ctrl-C as the extend returns, and counting the
+            # items after it would then hand them out a second time.
+            self._index = end
+            try:
                 out.extend(map(seq.__getitem__, range(i, end)))
-            else:
-                if self._it is None:
-                    self._reopen()
-                assert self._it is not None
-                try:
-                    out.extend(itertools.islice(self._it, n))
-                except BaseException as exc:
-                    if not isinstance(exc, Exception):  # interrupted: the iterator is over
-                        self._it = None
-                    raise
-                if len(out) == before:
-                    raise StopIteration
+            except BaseException:
+                # Only the items handed out count: one that raised was not.
+                self._index = i + len(out) - before
+                raise
+            return
+        try:
+            if self._it is None:
+                self._reopen()
+            assert self._it is not None
+            try:
+                out.extend(itertools.islice(self._it, n))
+            except BaseException as exc:
+                if not isinstance(exc, Exception):  # interrupted: the iterator is over
+                    self._it = None
+                raise
+            if len(out) == before:
+                raise StopIteration
         finally:
             # Only the items handed out count: one that raised was not.
             self._index += len(out) - before

@@ -28,6 +28,7 @@ __all__ = [
     "StageSpec",
     "WorkerKind",
     "check_callable",
+    "check_decode_errors",
     "check_int",
     "check_line_encoding",
     "check_name",
@@ -107,6 +108,18 @@ def check_int(value: Any, what: str, name: str, minimum: int) -> None:
 def check_name(name: Any) -> None:
     if not isinstance(name, str) or not name:
         msg = f"a stage name must be a non-empty str, got {name!r}."
+        raise PipelineError(msg)
+
+
+#: ``open()``'s ``errors`` that decode (``xmlcharrefreplace`` and ``namereplace`` only encode).
+DECODE_ERRORS = ("strict", "replace", "ignore", "backslashreplace", "surrogateescape")
+
+
+def check_decode_errors(errors: Any, stage: str) -> None:
+    """``errors`` is one of ``open()``'s choices that decode bytes."""
+    if errors not in DECODE_ERRORS:
+        choices = ", ".join(repr(e) for e in DECODE_ERRORS)
+        msg = f"stage '{stage}': `errors` must be one of {choices} (as open()), got {errors!r}."
         raise PipelineError(msg)
 
 

@@ -23,6 +23,7 @@ from centralpipe.specs import (
     Placement,
     StageSpec,
     check_callable,
+    check_decode_errors,
     check_int,
     check_line_encoding,
     check_name,
@@ -110,12 +111,44 @@ class Pipeline:
 
     # -- central stages ------------------------------------------------------
 
-    def read_lines(self, *, encoding: str = "utf-8", name: str | None = None) -> Pipeline:
+    def read_lines(
+        self, *, encoding: str = "utf-8", errors: str = "strict", name: str | None = None
+    ) -> Pipeline:
         """Paths in, lines out (``str``, without ``\\n`` or a trailing ``\\r``);
-        resumes by (file, byte offset) without re-reading."""
+        resumes by (file, byte offset) without re-reading. ``errors`` is
+        ``open()``'s: ``"strict"`` (a line that does not decode raises, naming
+        file and offset), ``"replace"``, ``"ignore"``, ``"backslashreplace"``
+        or ``"surrogateescape"``."""
         stage = name or self._default_name("read_lines")
         check_line_encoding(encoding, stage)
-        return self._add("read_lines", name, "central", options={"encoding": encoding})
+        check_decode_errors(errors, stage)
+        options = {"encoding": encoding, "errors": errors}
+        return self._add("read_lines", name, "central", options=options)
+
+    def read_jsonl(
+        self,
+        *,
+        field: str | Callable[[Any], Any] | None = None,
+        errors: Literal["strict", "skip"] = "strict",
+        name: str | None = None,
+    ) -> Pipeline:
+        """Paths in, one item per JSON line out: the record, ``record[field]``
+        (a str) or ``field(record)`` (a callable). Plain, ``.gz`` and ``.zst``
+        files; resumes by (file, position) without replaying. A malformed line
+        raises ``ValueError`` naming file and line; ``errors="skip"`` skips
+        and counts it (``skipped`` in ``Loader.query(name)``)."""
+        stage = name or self._default_name("read_jsonl")
+        if field is not None and not isinstance(field, str) and not callable(field):
+            msg = (
+                f"stage '{stage}': `field` must be None, a str (a key of each record) or a "
+                f"callable (record -> item), got {field!r}."
+            )
+            raise PipelineError(msg)
+        if errors not in ("strict", "skip"):
+            msg = f"stage '{stage}': `errors` must be 'strict' or 'skip', got {errors!r}."
+            raise PipelineError(msg)
+        options = {"field": field, "errors": errors}
+        return self._add("read_jsonl", name, "central", options=options)
 
     def map(
         self,

@@ -58,10 +58,8 @@ def test_errors_other_encoding(tmp_path: Path) -> None:
         assert collect(loader) == ["caf\ufffd", "ok"]
 
 
-@pytest.mark.parametrize(
-    "errors", ["xmlcharrefreplace", "namereplace", "bogus", None, 3], ids=repr
-)
+@pytest.mark.parametrize("errors", ["xmlcharrefreplace", "namereplace", "bogus", None, 3], ids=repr)
 def test_bad_errors_are_refused_at_build(errors: object) -> None:
-    """An `errors` that cannot decode (or is no choice at all) is a PipelineError naming the choices."""
+    """An `errors` that cannot decode (or is no choice) is a PipelineError naming the choices."""
     with pytest.raises(cp.PipelineError, match=r"`errors` must be one of 'strict', 'replace'"):
         cp.Pipeline.from_files(["x.txt"]).read_lines(errors=errors)  # type: ignore[arg-type]

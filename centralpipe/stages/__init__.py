@@ -15,6 +15,7 @@ from centralpipe.stages.base import SOURCE_KEY, CentralNode, RunContext, add_sta
 from centralpipe.stages.batch import Batch, BucketByMaxTokens
 from centralpipe.stages.count import Count
 from centralpipe.stages.files import ReadLines
+from centralpipe.stages.jsonl import ReadJsonl
 from centralpipe.stages.mix import Mix
 from centralpipe.stages.pack import Pack
 from centralpipe.stages.parallel import Parallel
@@ -47,6 +48,7 @@ NODE_CLASSES: dict[str, type[CentralNode[Any]]] = {
         NodeSource,
         FilesSource,
         ReadLines,
+        ReadJsonl,
         Map,
         Filter,
         FlatMap,

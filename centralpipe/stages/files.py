@@ -252,7 +252,7 @@ class ReadLines(CentralNode[str]):
     def _raw(self, path: str) -> IO[bytes]:
         if is_url(path):
             return open_binary(path, f"stage '{self.name}'")
-        return open(path, "rb")  # noqa: SIM115 - the caller closes it
+        return open(path, "rb")
 
     def _open(self, path: str, offset: int) -> None:
         f = self._raw(path)  # held across next() calls

@@ -362,8 +362,8 @@ def _root(glob: str | None, paths: tuple[str, ...]) -> str:
     """A glob's leading directories without wildcards, or the paths' common parent."""
     if any(is_url(p) for p in paths):
         # URLs: their common parent, "/"-separated, when they share one.
-        parents = {p.rpartition("/")[0] + "/" for p in paths}
-        common = os.path.commonprefix(sorted(parents))  # noqa: RUF071 - cut at "/" below
+        heads = sorted({p.rpartition("/")[0] + "/" for p in paths})
+        common = os.path.commonprefix(heads)  # noqa: RUF071 - cut at "/" below
         return common[: common.rfind("/") + 1] if "://" in common else ""
     if glob is not None:
         parts = glob.split(os.sep)

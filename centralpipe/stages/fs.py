@@ -82,6 +82,7 @@ def glob_url(url: str, what: str) -> tuple[str, list[tuple[str, int]]]:
             break
         fixed.append(part)
     root = head + "/".join(fixed) + "/"
+    fs.invalidate_cache()  # listed afresh each time a Loader starts
     if fs.exists(path) and not fs.isdir(path) and not _GLOB_MAGIC & set(path):
         found = {path: fs.info(path)}  # one file, named without wildcards
     else:
@@ -112,6 +113,7 @@ def file_size(path: str, what: str) -> int:
         return os.path.getsize(path)
     fs, inner = _fs(path, what)
     try:
+        fs.invalidate_cache(inner)  # the size now, not when last listed
         return int(fs.size(inner))
     except OSError:
         raise

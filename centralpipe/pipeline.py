@@ -150,6 +150,41 @@ class Pipeline:
         options = {"field": field, "errors": errors}
         return self._add("read_jsonl", name, "central", options=options)
 
+    def read_parquet(
+        self,
+        *,
+        columns: Sequence[str] | None = None,
+        batch_rows: int | None = None,
+        name: str | None = None,
+    ) -> Pipeline:
+        """Paths in, Parquet rows out: a dict per row of the chosen ``columns``
+        (all when ``None``), or with ``batch_rows`` a ``pyarrow.RecordBatch``
+        of up to that many rows of one row group. Reads one row group at a
+        time; resumes at (file, row group, row). Needs ``centralpipe[parquet]``."""
+        import importlib.util
+
+        stage = name or self._default_name("read_parquet")
+        if importlib.util.find_spec("pyarrow") is None:
+            msg = (
+                f"stage '{stage}': read_parquet needs the optional package 'pyarrow'; "
+                "install it with: pip install 'centralpipe[parquet]'."
+            )
+            raise PipelineError(msg)
+        if columns is not None:
+            if isinstance(columns, str) or not isinstance(columns, Sequence):
+                msg = f"stage '{stage}': `columns` must be None or a list of str, got {columns!r}."
+                raise PipelineError(msg)
+            bad = [c for c in columns if not isinstance(c, str)]
+            if bad or not columns:
+                got = bad[0] if bad else "an empty list"
+                msg = f"stage '{stage}': `columns` must be None or a list of str, got {got!r}."
+                raise PipelineError(msg)
+            columns = tuple(columns)
+        if batch_rows is not None:
+            check_int(batch_rows, "batch_rows", stage, 1)
+        options = {"columns": columns, "batch_rows": batch_rows}
+        return self._add("read_parquet", name, "central", options=options)
+
     def map(
         self,
         fn: Callable[..., Any],

@@ -19,6 +19,7 @@ from centralpipe.stages.jsonl import ReadJsonl
 from centralpipe.stages.mix import Mix
 from centralpipe.stages.pack import Pack
 from centralpipe.stages.parallel import Parallel
+from centralpipe.stages.parquet import ReadParquet
 from centralpipe.stages.shard import Shard
 from centralpipe.stages.shuffle import Shuffle
 from centralpipe.stages.sources import DatasetSource, FilesSource, IterableSource, NodeSource
@@ -49,6 +50,7 @@ NODE_CLASSES: dict[str, type[CentralNode[Any]]] = {
         FilesSource,
         ReadLines,
         ReadJsonl,
+        ReadParquet,
         Map,
         Filter,
         FlatMap,

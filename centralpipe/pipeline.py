@@ -61,6 +61,11 @@ class Pipeline:
         callable returning a fresh iterator, or an object whose ``iter()`` gives
         a fresh iterator each time (both resume by skipping forward).
 
+        An object with ``state_dict()`` and ``load_state_dict()`` (a Hugging
+        Face ``datasets.IterableDataset``) is checkpointed through them, never
+        by skipping forward; one that says it cannot resume exactly (a shuffle
+        buffer) is refused when the Loader starts.
+
         A one-shot iterator (a generator, ``iter(x)``) cannot start a second
         epoch and is refused; wrap it in a function instead.
         """

@@ -10,6 +10,7 @@ Central stage kinds have their home in their node class
 from __future__ import annotations
 
 import codecs
+import copy
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -187,6 +188,14 @@ def iterable_spec(iterable: Any, name: str) -> StageSpec:
         raise PipelineError(msg)
     if isinstance(iterable, Sequence) or is_sequence_like(iterable):
         mode = "sequence"
+    elif callable(getattr(iterable, "state_dict", None)) and callable(
+        getattr(iterable, "load_state_dict", None)
+    ):
+        # Keeps its own position (a datasets.IterableDataset): checkpointed through
+        # it. Each epoch starts from its state now, whatever Loaders do to it later.
+        start = copy.deepcopy(iterable.state_dict())
+        options = {"source": iterable, "start": start}
+        return StageSpec("stateful_iterable", name, "source", options=options)
     elif callable(iterable):
         mode = "factory"
     elif isinstance(iterable, Iterable):

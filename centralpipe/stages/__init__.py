@@ -23,6 +23,7 @@ from centralpipe.stages.parquet import ReadParquet
 from centralpipe.stages.shard import Shard
 from centralpipe.stages.shuffle import Shuffle
 from centralpipe.stages.sources import DatasetSource, FilesSource, IterableSource, NodeSource
+from centralpipe.stages.stateful import StatefulIterableSource
 from centralpipe.stages.transform import Filter, FlatMap, Map
 
 __all__ = [
@@ -47,6 +48,7 @@ NODE_CLASSES: dict[str, type[CentralNode[Any]]] = {
         IterableSource,
         DatasetSource,
         NodeSource,
+        StatefulIterableSource,
         FilesSource,
         ReadLines,
         ReadJsonl,

@@ -219,3 +219,16 @@ def test_s3_a_changed_object_is_refused(s3: Any) -> None:
     changed = rf"changed size: a.txt \({CUT} -> 50 bytes\)"
     with cp.Loader(pipe, LOCKSTEP) as loader, pytest.raises(cp.CheckpointError, match=changed):
         loader.load_state_dict(state)
+
+
+def test_import_centralpipe_imports_no_optional_package() -> None:
+    """`import centralpipe` imports none of the readers' optional packages."""
+    optional = ("pyarrow", "datasets", "zstandard", "s3fs", "fsspec")
+    code = (
+        "import sys, centralpipe, centralpipe.stages; "
+        f"print([m for m in {optional!r} if m in sys.modules])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]"

@@ -4,6 +4,9 @@ Each resumes without replay where it can: sequences, datasets and file lists by
 index. A re-iterable without indexing (a zero-argument factory, or an object
 whose ``iter()`` is fresh each time) resumes by skipping forward over the items
 already yielded — which re-reads them, so prefer a sequence for large sources.
+An iterable that keeps its own position (``state_dict()``/``load_state_dict()``,
+a ``datasets.IterableDataset``) is :mod:`centralpipe.stages.stateful`'s. File
+lists may be fsspec URLs (:mod:`centralpipe.stages.fs`).
 
 An interrupt (Ctrl-C) inside a source's own code (a dataset's ``__getitem__``,
 an iterator's ``__next__``) hands out nothing and does not move the index. An

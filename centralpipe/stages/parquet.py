@@ -123,7 +123,10 @@ class ReadParquet(CentralNode[Any]):
                 continue
             if self._batch_rows is not None:
                 n = min(self._batch_rows, rows - row)
-                batches = table.slice(row, n).combine_chunks().to_batches()
+                part = table.slice(row, n)
+                batches = part.to_batches()  # one batch, no copy, when one chunk per column
+                if len(batches) != 1:
+                    batches = part.combine_chunks().to_batches()
                 self._row = row + n
                 return batches[0]
             at = row - self._rows_at
@@ -132,6 +135,23 @@ class ReadParquet(CentralNode[Any]):
                 self._rows_at, at = row, 0
             self._row = row + 1
             return self._rows[at]
+
+    def produce_into(self, out: list[Any], n: int) -> None:
+        # Rows mode: after one produce() (which opens files and converts rows),
+        # the rest of the converted rows in one slice.
+        if self._batch_rows is not None:
+            super().produce_into(out, n)
+            return
+        out.append(self.produce())
+        at = self._row - self._rows_at
+        take = min(n - 1, len(self._rows) - at)
+        if take <= 0:
+            return
+        before = len(out)
+        try:
+            out.extend(self._rows[at : at + take])
+        finally:
+            self._row += len(out) - before  # only the rows handed out count
 
     def own_state(self) -> dict[str, Any]:
         return {

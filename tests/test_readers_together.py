@@ -125,3 +125,23 @@ def test_interrupt_while_a_reader_opens_a_file(
     with cp.Loader(pipe, config) as fresh:
         fresh.load_state_dict(state)
         assert got + list(fresh) == expected
+
+
+def test_elastic_resume_of_read_jsonl(corpus: Path) -> None:
+    """read_jsonl behind shard(): 2 ranks' states merged resume on 3 ranks with
+    each new rank's shard of exactly the rest of the stream."""
+    pipe = cp.Pipeline.from_files(str(corpus / "*.jsonl.gz")).read_jsonl(field="n").shard()
+    stream = list(range(30))
+    k = 4
+    states = []
+    for rank in range(2):
+        with cp.Loader(pipe, loader_config(rank=rank, world_size=2)) as loader:
+            it = iter(loader)
+            assert [next(it) for _ in range(k)] == stream[rank : 2 * k : 2]
+            states.append(loader.state_dict())
+    merged = cp.merge_states(states)
+    rest = stream[2 * k :]
+    for rank in range(3):
+        with cp.Loader(pipe, loader_config(rank=rank, world_size=3)) as loader:
+            loader.load_state_dict(merged)
+            assert list(loader) == rest[rank::3]

@@ -268,3 +268,15 @@ def test_empty_files_and_blank_lines(tmp_path: Path) -> None:
     (tmp_path / "c.jsonl").write_bytes(b'\n \r\n"x"\r\n\t\n5')
     pipe = cp.Pipeline.from_files(str(tmp_path / "*")).read_jsonl()
     assert assert_resumes_exactly(pipe, LOCKSTEP) == ["x", 5]
+
+
+@pytest.mark.parametrize("codec", ["plain", "gzip", "zstd"])
+def test_a_last_line_without_newline_resumes_at_the_end(tmp_path: Path, codec: str) -> None:
+    """A checkpoint after a last line without \\n (the end of the file) resumes to nothing more."""
+    data = _lines(RECORDS[:5]).rstrip(b"\n")
+    path = tmp_path / f"x{SUFFIX[codec]}"
+    _write(path, codec, data, blocks=2)
+    pipe = cp.Pipeline.from_files([str(path)]).read_jsonl(field="id")
+    assert assert_resumes_exactly(pipe, LOCKSTEP) == list(range(5))
+    state = _take_state(pipe, 5)["central"]["read_jsonl_1"]
+    assert state["line"] == 6 and state["offset"] > 0

@@ -232,3 +232,13 @@ def test_import_centralpipe_imports_no_optional_package() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_fsspec_caching_by_url_chaining(memory_root: str) -> None:
+    """fsspec's own caching options pass through as URL chains (simplecache::...)."""
+    pipe = cp.Pipeline.from_files("simplecache::" + memory_root + "*.txt").read_lines()
+    assert assert_resumes_exactly(pipe, LOCKSTEP) == LINES[:10]
+    state = _take_state(pipe, 3)["central"]
+    assert state["files"]["listing"] == f"a.txt\t{CUT}\n"
+    offset = len(("\n".join(LINES[:3]) + "\n").encode())
+    assert state["read_lines_1"] == {"path": "a.txt", "offset": offset}

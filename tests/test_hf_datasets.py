@@ -151,3 +151,32 @@ def test_any_stateful_iterable_is_checkpointed_through_its_state() -> None:
         for _ in range(5):
             next(it)
         assert loader.state_dict()["central"]["source"] == {"index": 5, "state": {"done": 5}}
+
+
+class Batched:
+    """A map-style dataset with torch's batched ``__getitems__``, counting calls."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.batched, self.single = n, 0, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        self.single += 1
+        return i * 3
+
+    def __getitems__(self, keys: list[int]) -> list[int]:
+        self.batched += 1
+        return [i * 3 for i in keys]
+
+
+def test_a_batched_getitems_is_used_in_bulk_and_resumes_by_index() -> None:
+    """from_dataset fetches chunks through __getitems__ (as datasets.Dataset offers),
+    giving the same items as indexing, and resumes exactly."""
+    data = Batched(40)
+    pipe = cp.Pipeline.from_dataset(data).dispatch()
+    config = loader_config(num_workers=2, chunk_size=8)
+    full = assert_resumes_exactly(pipe, config, ks=[0, 1, 9, 39, 40])
+    assert full == [3 * i for i in range(40)]
+    assert data.batched > 0 and data.single == 0

@@ -126,7 +126,13 @@ class IterableSource(CentralNode[Any]):
                 end = min(len(seq), i + n)
                 if i >= end:
                     raise StopIteration
-                out.extend(map(seq.__getitem__, range(i, end)))
+                getitems = getattr(seq, "__getitems__", None)
+                if callable(getitems):
+                    # A batched fetch (torch's protocol, which datasets.Dataset
+                    # offers): the same items as seq[i] each, in one call.
+                    out.extend(getitems(list(range(i, end))))
+                else:
+                    out.extend(map(seq.__getitem__, range(i, end)))
             else:
                 if self._it is None:
                     self._reopen()

@@ -93,6 +93,7 @@ class ReadParquet(CentralNode[Any]):
         self._table: Any = None  # the current row group's columns
         self._rows: list[dict[str, Any]] = []
         self._rows_at = 0  # the row of _rows[0]
+        self._batches: list[Any] | None = None  # batches mode: the row group cut
 
     def produce(self) -> Any:
         while True:
@@ -119,10 +120,19 @@ class ReadParquet(CentralNode[Any]):
             if row >= rows:
                 self._row_group += 1
                 self._row = 0
-                self._table, self._rows = None, []
+                self._table, self._rows, self._batches = None, [], None
                 continue
             if self._batch_rows is not None:
                 n = min(self._batch_rows, rows - row)
+                if self._batches is None:
+                    # The row group cut once, at multiples of batch_rows (no copy
+                    # when each column is one chunk).
+                    whole = table.combine_chunks()
+                    self._batches = whole.to_batches(max_chunksize=self._batch_rows)
+                j, off = divmod(row, self._batch_rows)
+                if not off and j < len(self._batches) and self._batches[j].num_rows == n:
+                    self._row = row + n
+                    return self._batches[j]
                 part = table.slice(row, n)
                 batches = part.to_batches()  # one batch, no copy, when one chunk per column
                 if len(batches) != 1:
@@ -231,14 +241,14 @@ class ReadParquet(CentralNode[Any]):
                 )
                 raise ValueError(msg)
         self._file, self._raw, self._path = f, raw, path
-        self._table, self._rows, self._rows_at = None, [], 0
+        self._table, self._rows, self._rows_at, self._batches = None, [], 0, None
 
     def _close(self) -> None:
         if self._raw is not None:
             self._raw.close()
         if self._file is not None:
             self._file.close()
-        self._file = self._raw = self._table = None
+        self._file = self._raw = self._table = self._batches = None
         self._rows = []
         self._path = None
         self._row_group = self._row = 0

@@ -39,6 +39,7 @@ import centralpipe as cp
 from centralpipe import (
     bench_limit,
     bench_seed,
+    bench_sources,
     bench_stages,
     bench_state,
     bench_transport,
@@ -66,7 +67,7 @@ WORKLOADS = ("tiny", "cpu", "tensor", "numpy", "tensor4m", "mixed")
 TRANSPORT_WORKLOADS = ("tensor", "numpy", "tensor4m", "mixed")
 #: What ``--quick`` divides every size by.
 QUICK_SCALE = 10
-SECTIONS = (*WORKLOADS, "state", "stages", "startup", "seed")
+SECTIONS = (*WORKLOADS, "state", "stages", "sources", "startup", "seed")
 #: Workers of the cold ``cpu`` epoch.
 COLD_WORKERS = 2
 #: Workloads also run through the minimal slot-pool loader (bench_limit): item bytes.
@@ -213,6 +214,8 @@ def run(
     if "stages" in only:
         _log("stages: mix and pack, main-process cost per item")
         res.stages = bench_stages.measure(scale)
+    if "sources" in only:
+        res.sources = bench_sources.measure(scale, _log)
     if "startup" in only:
         _log("startup: first item, fresh processes")
         res.startup = bench_transport.measure_startup(START_METHODS)

@@ -18,7 +18,7 @@ import torch
 import torchdata
 
 import centralpipe as cp
-from centralpipe import bench_seed, bench_stages, bench_state, bench_transport
+from centralpipe import bench_seed, bench_sources, bench_stages, bench_state, bench_transport
 from centralpipe.bench_contenders import STOCK_SOCKET_BUFFER_BYTES, Timing
 
 __all__ = ["CAPPED", "LIMIT", "NOISY_SHARE", "Results", "report"]
@@ -46,6 +46,7 @@ class Results:
     cold_torch_inline: bench_transport.ColdEpoch | None = None
     state: dict[str, Any] = field(default_factory=dict)
     stages: dict[str, Any] = field(default_factory=dict)
+    sources: dict[str, Any] = field(default_factory=dict)
     startup: bench_transport.Startup = field(default_factory=dict)
     seed: list[bench_seed.TokenizerResult] = field(default_factory=list)
     elapsed_s: float = 0.0
@@ -178,6 +179,7 @@ def report(res: Results, *, argv: Sequence[str] = ()) -> str:
     lines += bench_transport.cold_lines(res.cold, res.cold_torch, res.cold_torch_inline)
     lines += bench_state.report_lines(res.state)
     lines += bench_stages.report_lines(res.stages)
+    lines += bench_sources.report_lines(res.sources)
     lines += bench_transport.report_lines(res.startup)
     lines += bench_seed.report_lines(res.seed)
     targets = _targets(res)
@@ -249,6 +251,7 @@ def _targets(res: Results) -> list[tuple[str, str, bool]]:
         out.append(("numpy, 2 workers: within 10 % of tensor", f"{r:.2f}x tensor", r >= 0.9))
     out += bench_state.targets(res.state)
     out += bench_stages.targets(res.stages)
+    out += bench_sources.targets(res.sources)
     out += bench_transport.targets(res.startup)
     out += bench_seed.targets(res.seed)
     return out

@@ -23,6 +23,7 @@ from centralpipe.specs import (
     Placement,
     StageSpec,
     check_callable,
+    check_decode_errors,
     check_int,
     check_line_encoding,
     check_name,
@@ -59,6 +60,11 @@ class Pipeline:
         """Items of a re-iterable: a sequence (resumes by index), a zero-argument
         callable returning a fresh iterator, or an object whose ``iter()`` gives
         a fresh iterator each time (both resume by skipping forward).
+
+        An object with ``state_dict()`` and ``load_state_dict()`` (a Hugging
+        Face ``datasets.IterableDataset``) is checkpointed through them, never
+        by skipping forward; one that says it cannot resume exactly (a shuffle
+        buffer) is refused when the Loader starts.
 
         A one-shot iterator (a generator, ``iter(x)``) cannot start a second
         epoch and is refused; wrap it in a function instead.
@@ -110,12 +116,79 @@ class Pipeline:
 
     # -- central stages ------------------------------------------------------
 
-    def read_lines(self, *, encoding: str = "utf-8", name: str | None = None) -> Pipeline:
+    def read_lines(
+        self, *, encoding: str = "utf-8", errors: str = "strict", name: str | None = None
+    ) -> Pipeline:
         """Paths in, lines out (``str``, without ``\\n`` or a trailing ``\\r``);
-        resumes by (file, byte offset) without re-reading."""
+        resumes by (file, byte offset) without re-reading. ``errors`` is
+        ``open()``'s: ``"strict"`` (a line that does not decode raises, naming
+        file and offset), ``"replace"``, ``"ignore"``, ``"backslashreplace"``
+        or ``"surrogateescape"``."""
         stage = name or self._default_name("read_lines")
         check_line_encoding(encoding, stage)
-        return self._add("read_lines", name, "central", options={"encoding": encoding})
+        check_decode_errors(errors, stage)
+        options = {"encoding": encoding, "errors": errors}
+        return self._add("read_lines", name, "central", options=options)
+
+    def read_jsonl(
+        self,
+        *,
+        field: str | Callable[[Any], Any] | None = None,
+        errors: Literal["strict", "skip"] = "strict",
+        name: str | None = None,
+    ) -> Pipeline:
+        """Paths in, one item per JSON line out: the record, ``record[field]``
+        (a str) or ``field(record)`` (a callable). Plain, ``.gz`` and ``.zst``
+        files; resumes by (file, position) without replaying. A malformed line
+        raises ``ValueError`` naming file and line; ``errors="skip"`` skips
+        and counts it (``skipped`` in ``Loader.query(name)``)."""
+        stage = name or self._default_name("read_jsonl")
+        if field is not None and not isinstance(field, str) and not callable(field):
+            msg = (
+                f"stage '{stage}': `field` must be None, a str (a key of each record) or a "
+                f"callable (record -> item), got {field!r}."
+            )
+            raise PipelineError(msg)
+        if errors not in ("strict", "skip"):
+            msg = f"stage '{stage}': `errors` must be 'strict' or 'skip', got {errors!r}."
+            raise PipelineError(msg)
+        options = {"field": field, "errors": errors}
+        return self._add("read_jsonl", name, "central", options=options)
+
+    def read_parquet(
+        self,
+        *,
+        columns: Sequence[str] | None = None,
+        batch_rows: int | None = None,
+        name: str | None = None,
+    ) -> Pipeline:
+        """Paths in, Parquet rows out: a dict per row of the chosen ``columns``
+        (all when ``None``), or with ``batch_rows`` a ``pyarrow.RecordBatch``
+        of up to that many rows of one row group. Reads one row group at a
+        time; resumes at (file, row group, row). Needs ``centralpipe[parquet]``."""
+        import importlib.util
+
+        stage = name or self._default_name("read_parquet")
+        if importlib.util.find_spec("pyarrow") is None:
+            msg = (
+                f"stage '{stage}': read_parquet needs the optional package 'pyarrow'; "
+                "install it with: pip install 'centralpipe[parquet]'."
+            )
+            raise PipelineError(msg)
+        if columns is not None:
+            if isinstance(columns, str) or not isinstance(columns, Sequence):
+                msg = f"stage '{stage}': `columns` must be None or a list of str, got {columns!r}."
+                raise PipelineError(msg)
+            bad = [c for c in columns if not isinstance(c, str)]
+            if bad or not columns:
+                got = bad[0] if bad else "an empty list"
+                msg = f"stage '{stage}': `columns` must be None or a list of str, got {got!r}."
+                raise PipelineError(msg)
+            columns = tuple(columns)
+        if batch_rows is not None:
+            check_int(batch_rows, "batch_rows", stage, 1)
+        options = {"columns": columns, "batch_rows": batch_rows}
+        return self._add("read_parquet", name, "central", options=options)
 
     def map(
         self,

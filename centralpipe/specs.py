@@ -10,6 +10,7 @@ Central stage kinds have their home in their node class
 from __future__ import annotations
 
 import codecs
+import copy
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -28,6 +29,7 @@ __all__ = [
     "StageSpec",
     "WorkerKind",
     "check_callable",
+    "check_decode_errors",
     "check_int",
     "check_line_encoding",
     "check_name",
@@ -110,6 +112,18 @@ def check_name(name: Any) -> None:
         raise PipelineError(msg)
 
 
+#: ``open()``'s ``errors`` that decode (``xmlcharrefreplace`` and ``namereplace`` only encode).
+DECODE_ERRORS = ("strict", "replace", "ignore", "backslashreplace", "surrogateescape")
+
+
+def check_decode_errors(errors: Any, stage: str) -> None:
+    """``errors`` is one of ``open()``'s choices that decode bytes."""
+    if errors not in DECODE_ERRORS:
+        choices = ", ".join(repr(e) for e in DECODE_ERRORS)
+        msg = f"stage '{stage}': `errors` must be one of {choices} (as open()), got {errors!r}."
+        raise PipelineError(msg)
+
+
 def check_line_encoding(encoding: Any, stage: str) -> None:
     """``read_lines`` splits bytes on ``b"\\n"``: the encoding must be a text
     encoding that writes ASCII as ASCII."""
@@ -174,6 +188,14 @@ def iterable_spec(iterable: Any, name: str) -> StageSpec:
         raise PipelineError(msg)
     if isinstance(iterable, Sequence) or is_sequence_like(iterable):
         mode = "sequence"
+    elif callable(getattr(iterable, "state_dict", None)) and callable(
+        getattr(iterable, "load_state_dict", None)
+    ):
+        # Keeps its own position (a datasets.IterableDataset): checkpointed through
+        # it. Each epoch starts from its state now, whatever Loaders do to it later.
+        start = copy.deepcopy(iterable.state_dict())
+        options = {"source": iterable, "start": start}
+        return StageSpec("stateful_iterable", name, "source", options=options)
     elif callable(iterable):
         mode = "factory"
     elif isinstance(iterable, Iterable):

@@ -15,12 +15,15 @@ from centralpipe.stages.base import SOURCE_KEY, CentralNode, RunContext, add_sta
 from centralpipe.stages.batch import Batch, BucketByMaxTokens
 from centralpipe.stages.count import Count
 from centralpipe.stages.files import ReadLines
+from centralpipe.stages.jsonl import ReadJsonl
 from centralpipe.stages.mix import Mix
 from centralpipe.stages.pack import Pack
 from centralpipe.stages.parallel import Parallel
+from centralpipe.stages.parquet import ReadParquet
 from centralpipe.stages.shard import Shard
 from centralpipe.stages.shuffle import Shuffle
 from centralpipe.stages.sources import DatasetSource, FilesSource, IterableSource, NodeSource
+from centralpipe.stages.stateful import StatefulIterableSource
 from centralpipe.stages.transform import Filter, FlatMap, Map
 
 __all__ = [
@@ -45,8 +48,11 @@ NODE_CLASSES: dict[str, type[CentralNode[Any]]] = {
         IterableSource,
         DatasetSource,
         NodeSource,
+        StatefulIterableSource,
         FilesSource,
         ReadLines,
+        ReadJsonl,
+        ReadParquet,
         Map,
         Filter,
         FlatMap,

@@ -26,10 +26,19 @@ from torchdata.nodes import BaseNode
 from centralpipe.errors import CheckpointError
 from centralpipe.pipeline import StageSpec
 from centralpipe.stages.base import CentralNode, RunContext
+from centralpipe.stages.fs import file_size, is_url, open_binary
 from centralpipe.stages.sources import FilesSource
 from centralpipe.validators import FieldError, checked, int_in
 
-__all__ = ["ReadLines", "ReadLinesState", "count_lines"]
+__all__ = [
+    "ReadLines",
+    "ReadLinesState",
+    "check_current_file",
+    "count_lines",
+    "resolve_name",
+    "resumable_size",
+    "state_name",
+]
 
 PATH_KEY = "path"
 OFFSET_KEY = "offset"
@@ -65,6 +74,55 @@ def count_lines(path: str | os.PathLike[str]) -> int:
     return lines
 
 
+def state_name(source: Any, path: str | None) -> str | None:
+    """How a reader's checkpoint names the open file: relative to the files
+    stage's root when it reads from one (the dataset may move), else as is."""
+    if path is not None and isinstance(source, FilesSource):
+        return source.name_of(path)
+    return path
+
+
+def resolve_name(source: Any, name: str) -> str:
+    """The file a checkpoint's ``name`` is here (see :func:`state_name`)."""
+    if isinstance(source, FilesSource):
+        found = source.path_of(name)
+        if found is not None:
+            return found
+    return name
+
+
+def check_current_file(source: Any, name: str | None, states: Mapping[str, Any]) -> None:
+    """``FieldError`` unless the reader's open file ``name`` is the one its
+    files stage yielded last (when it reads from one)."""
+    if not isinstance(source, FilesSource):
+        return
+    index = states[source.name].index
+    paths = source.paths
+    current = paths[index - 1] if 0 < index <= len(paths) else None
+    if name is not None and resolve_name(source, name) != current:
+        expected = (
+            f"{current!r}, the file at index {index - 1} of stage '{source.name}'"
+            if current is not None
+            else f"None (stage '{source.name}' has yielded no file yet)"
+        )
+        raise FieldError("path", expected, name)
+
+
+def resumable_size(stage: str, path: str) -> int:
+    """The size of the regular file ``path`` a checkpoint resumes in;
+    ``CheckpointError`` if it cannot be read."""
+    try:
+        if is_url(path):
+            return file_size(path, f"stage '{stage}'")
+        info = os.stat(path)
+    except OSError as exc:
+        msg = f"stage '{stage}': cannot reopen {path!r} to resume: {exc}."
+        raise CheckpointError(msg) from None
+    if not stat.S_ISREG(info.st_mode):
+        raise FieldError("path", "a regular file", path)
+    return info.st_size
+
+
 @attrs.frozen(kw_only=True)
 class ReadLinesState:
     """The open file (``None`` between files) and the byte offset of its next line."""
@@ -85,11 +143,27 @@ class ReadLines(CentralNode[str]):
 
     @classmethod
     def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> ReadLines:
-        return cls(source, encoding=spec.options["encoding"], name=spec.name, ctx=ctx)
+        o = spec.options
+        return cls(
+            source,
+            encoding=o["encoding"],
+            errors=o.get("errors", "strict"),
+            name=spec.name,
+            ctx=ctx,
+        )
 
-    def __init__(self, source: BaseNode[Any], *, encoding: str, name: str, ctx: RunContext) -> None:
+    def __init__(
+        self,
+        source: BaseNode[Any],
+        *,
+        encoding: str,
+        errors: str = "strict",
+        name: str,
+        ctx: RunContext,
+    ) -> None:
         super().__init__(source, name=name, ctx=ctx)
         self._encoding = encoding
+        self._errors = errors
         self._path: str | None = None
         self._offset = 0
         self._file: IO[bytes] | None = None
@@ -119,54 +193,26 @@ class ReadLines(CentralNode[str]):
             if raw[-1:] == b"\r":
                 raw = raw[:-1]
             try:
-                return raw.decode(self._encoding)
+                return raw.decode(self._encoding, self._errors)
             except UnicodeDecodeError as exc:
                 exc.add_note(f"(in file {self._path!r} at byte offset {offset})")
                 raise
 
     def own_state(self) -> dict[str, Any]:
-        path = self._path
-        if path is not None and isinstance(self.source, FilesSource):
-            # Relative to the files stage's root: the dataset may move.
-            path = self.source.name_of(path)
-        return {PATH_KEY: path, OFFSET_KEY: self._offset}
+        return {PATH_KEY: state_name(self.source, self._path), OFFSET_KEY: self._offset}
 
     def _resolve(self, path: str) -> str:
-        """The file a checkpoint's ``path`` names here (relative to the files
-        stage's root when this stage reads from one)."""
-        if isinstance(self.source, FilesSource):
-            found = self.source.path_of(path)
-            if found is not None:
-                return found
-        return path
+        return resolve_name(self.source, path)
 
     def check_state(self, state: ReadLinesState, states: Mapping[str, Any]) -> None:
         path, offset = state.path, state.offset
-        if isinstance(self.source, FilesSource):
-            # The open file is the one the files stage yielded last.
-            index = states[self.source.name].index
-            paths = self.source.paths
-            current = paths[index - 1] if 0 < index <= len(paths) else None
-            if path is not None and self._resolve(path) != current:
-                expected = (
-                    f"{current!r}, the file at index {index - 1} of stage '{self.source.name}'"
-                    if current is not None
-                    else f"None (stage '{self.source.name}' has yielded no file yet)"
-                )
-                raise FieldError("path", expected, path)
+        check_current_file(self.source, path, states)
         if path is None:
             return
         self._check_line_start(self._resolve(path), offset)
 
     def _check_line_start(self, path: str, offset: int) -> None:
-        try:
-            info = os.stat(path)
-        except OSError as exc:
-            msg = f"stage '{self.name}': cannot reopen {path!r} to resume: {exc}."
-            raise CheckpointError(msg) from None
-        if not stat.S_ISREG(info.st_mode):
-            raise FieldError("path", "a regular file", path)
-        size = info.st_size
+        size = resumable_size(self.name, path)
         if size < offset:
             msg = (
                 f"stage '{self.name}': {path!r} is {size} bytes but the checkpoint resumes at "
@@ -176,7 +222,7 @@ class ReadLines(CentralNode[str]):
         if offset and offset != size:
             # A line ends at a "\n", or at the end of a file without a final "\n".
             try:
-                f = open(path, "rb")  # noqa: SIM115 - closed below
+                f = self._raw(path)
                 try:
                     f.seek(offset - 1)
                     before = f.read(1)
@@ -203,8 +249,13 @@ class ReadLines(CentralNode[str]):
         self._close()
         super().release()
 
+    def _raw(self, path: str) -> IO[bytes]:
+        if is_url(path):
+            return open_binary(path, f"stage '{self.name}'")
+        return open(path, "rb")
+
     def _open(self, path: str, offset: int) -> None:
-        f = open(path, "rb")  # noqa: SIM115 - held across next() calls
+        f = self._raw(path)  # held across next() calls
         try:
             if offset:
                 f.seek(offset)

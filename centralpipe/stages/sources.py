@@ -4,6 +4,9 @@ Each resumes without replay where it can: sequences, datasets and file lists by
 index. A re-iterable without indexing (a zero-argument factory, or an object
 whose ``iter()`` is fresh each time) resumes by skipping forward over the items
 already yielded — which re-reads them, so prefer a sequence for large sources.
+An iterable that keeps its own position (``state_dict()``/``load_state_dict()``,
+a ``datasets.IterableDataset``) is :mod:`centralpipe.stages.stateful`'s. File
+lists may be fsspec URLs (:mod:`centralpipe.stages.fs`).
 
 An interrupt (Ctrl-C) inside a source's own code (a dataset's ``__getitem__``,
 an iterator's ``__next__``) hands out nothing and does not move the index. An
@@ -29,6 +32,7 @@ from torchdata.nodes import BaseNode
 from centralpipe.errors import CheckpointError, PipelineError
 from centralpipe.pipeline import StageSpec
 from centralpipe.stages.base import CentralNode, RunContext
+from centralpipe.stages.fs import file_size, glob_url, is_url
 from centralpipe.validators import FieldError, checked, int_in
 
 __all__ = [
@@ -125,8 +129,14 @@ class IterableSource(CentralNode[Any]):
             # may handle a Ctrl-C as the extend returns, and counting the
             # items after it would then hand them out a second time.
             self._index = end
+            getitems = getattr(seq, "__getitems__", None)
             try:
-                out.extend(map(seq.__getitem__, range(i, end)))
+                if callable(getitems):
+                    # A batched fetch (torch's protocol, which datasets.Dataset
+                    # offers): the same items as seq[i] each, in one call.
+                    out.extend(getitems(list(range(i, end))))
+                else:
+                    out.extend(map(seq.__getitem__, range(i, end)))
             except BaseException:
                 # Only the items handed out count: one that raised was not.
                 self._index = i + len(out) - before
@@ -278,9 +288,16 @@ class FilesSource(CentralNode[str]):
         list the files relative to the root, with their sizes."""
         if self._digest:
             return
+        sizes: dict[str, int] = {}
+        root = None
         if self._paths is None:
             assert self._glob is not None
-            matches = tuple(sorted(globlib.glob(self._glob, recursive=True)))
+            if is_url(self._glob):
+                root, found = glob_url(self._glob, f"stage '{self.name}'")
+                sizes = dict(found)
+                matches = tuple(url for url, _ in found)
+            else:
+                matches = tuple(sorted(globlib.glob(self._glob, recursive=True)))
             if not matches:
                 msg = (
                     f"stage '{self.name}': the glob {self._glob!r} matches no file; "
@@ -288,13 +305,23 @@ class FilesSource(CentralNode[str]):
                 )
                 raise PipelineError(msg)
             self._paths = matches
-        root = _root(self._glob, self._paths)
+        if root is None:
+            root = _root(self._glob, self._paths)
         self._names = tuple(_relative(p, root) for p in self._paths)
         self._name_of = dict(zip(self._paths, self._names))
         self._path_of = dict(zip(self._names, self._paths))
-        lines = "".join(f"{n}\t{_size(p)}\n" for n, p in zip(self._names, self._paths))
+        lines = "".join(
+            f"{n}\t{sizes[p] if p in sizes else self._size(p)}\n"
+            for n, p in zip(self._names, self._paths)
+        )
         self._digest = hashlib.sha1(lines.encode("utf-8", "surrogateescape")).hexdigest()[:16]
         self._listing = lines if len(self._paths) <= LISTING_MAX else None
+
+    def _size(self, path: str) -> int:
+        try:
+            return file_size(path, f"stage '{self.name}'")
+        except OSError:
+            return -1  # missing: reading it fails later, with the path
 
     def name_of(self, path: str) -> str:
         """``path`` (one of :attr:`paths`) relative to the root."""
@@ -351,6 +378,11 @@ class FilesSource(CentralNode[str]):
 
 def _root(glob: str | None, paths: tuple[str, ...]) -> str:
     """A glob's leading directories without wildcards, or the paths' common parent."""
+    if any(is_url(p) for p in paths):
+        # URLs: their common parent, "/"-separated, when they share one.
+        heads = sorted({p.rpartition("/")[0] + "/" for p in paths})
+        common = os.path.commonprefix(heads)  # noqa: RUF071 - cut at "/" below
+        return common[: common.rfind("/") + 1] if "://" in common else ""
     if glob is not None:
         parts = glob.split(os.sep)
         fixed = []
@@ -368,15 +400,10 @@ def _root(glob: str | None, paths: tuple[str, ...]) -> str:
 
 def _relative(path: str, root: str) -> str:
     if not root:
-        return path  # pragma: no cover
+        return path
+    if is_url(path) or is_url(root):
+        return path.removeprefix(root) if path.startswith(root) else path
     return os.path.relpath(os.path.abspath(path), root)
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return -1  # missing: reading it fails later, with the path
 
 
 def _parse(listing: str) -> dict[str, int]:

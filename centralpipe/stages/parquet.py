@@ -1,0 +1,254 @@
+"""``read_parquet``: paths in, rows (dicts) or column batches out, resuming at
+(file, row group, row).
+
+Files are read one row group at a time, and only the chosen ``columns``
+(pyarrow's ``ParquetFile.read_row_group``): memory holds one row group of those
+columns, never the whole file. With ``batch_rows=None`` each item is one row,
+a dict of column name to value (``Table.to_pylist``, converted
+``ROWS_AT_ONCE`` rows at a time); with ``batch_rows=n`` each item is a
+``pyarrow.RecordBatch`` of up to ``n`` rows of one row group (the last batch
+of a row group may be shorter).
+
+The state is the open file (relative to the files stage's root), the row
+group and the rows of it already yielded. A resume reads the file's footer and
+that one row group, and starts at the row: nothing before it is yielded or
+converted again. A row group or row out of range of the file, or a file that
+is no longer Parquet, is a ``CheckpointError`` at load.
+
+Needs the optional package ``pyarrow`` (``centralpipe[parquet]``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+from attrs import validators as v
+from torchdata.nodes import BaseNode
+
+from centralpipe.errors import CheckpointError
+from centralpipe.pipeline import StageSpec
+from centralpipe.stages.base import CentralNode, RunContext
+from centralpipe.stages.files import (
+    check_current_file,
+    resolve_name,
+    resumable_size,
+    state_name,
+)
+from centralpipe.stages.fs import is_url, need, open_binary
+from centralpipe.validators import FieldError, checked, int_in
+
+__all__ = ["ReadParquet", "ReadParquetState"]
+
+#: Rows converted to dicts at a time (rows mode).
+ROWS_AT_ONCE = 1024
+_COUNT = checked(FieldError, "an int >= 0", int_in(0, 2**63))
+
+
+@attrs.frozen(kw_only=True)
+class ReadParquetState:
+    """The open file (``None`` between files), its row group and the rows of
+    that row group already yielded."""
+
+    path: str | None = attrs.field(
+        validator=checked(FieldError, "None or a str", v.optional(v.instance_of(str)))
+    )
+    row_group: int = attrs.field(validator=_COUNT)
+    row: int = attrs.field(validator=_COUNT)
+
+    def __attrs_post_init__(self) -> None:
+        if self.path is None and (self.row_group or self.row):
+            raise FieldError("row", "0 when no file is open (path is None)", self.row)
+
+
+class ReadParquet(CentralNode[Any]):
+    kind = "read_parquet"
+    State = ReadParquetState
+
+    @classmethod
+    def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> ReadParquet:
+        o = spec.options
+        return cls(
+            source, columns=o["columns"], batch_rows=o["batch_rows"], name=spec.name, ctx=ctx
+        )
+
+    def __init__(
+        self,
+        source: BaseNode[Any],
+        *,
+        columns: tuple[str, ...] | None,
+        batch_rows: int | None,
+        name: str,
+        ctx: RunContext,
+    ) -> None:
+        super().__init__(source, name=name, ctx=ctx)
+        self._columns = None if columns is None else list(columns)
+        self._batch_rows = batch_rows
+        self._path: str | None = None
+        self._file: Any = None  # pyarrow.parquet.ParquetFile
+        self._raw: Any = None  # the fsspec file it reads, for URLs
+        self._row_group = 0
+        self._row = 0
+        self._table: Any = None  # the current row group's columns
+        self._rows: list[dict[str, Any]] = []
+        self._rows_at = 0  # the row of _rows[0]
+        self._batches: list[Any] | None = None  # batches mode: the row group cut
+
+    def produce(self) -> Any:
+        while True:
+            if self._file is None:
+                if self._path is None:
+                    assert self.source is not None
+                    self._path = str(next(self.source))
+                    self._row_group = self._row = 0
+                try:
+                    self._open(self._path)
+                except BaseException as exc:
+                    if isinstance(exc, Exception):  # not interrupted: this file is skipped
+                        self._path, self._row_group, self._row = None, 0, 0
+                    raise
+            if self._row_group >= self._file.num_row_groups:
+                self._close()
+                continue
+            table = self._table
+            if table is None:
+                table = self._table = self._file.read_row_group(
+                    self._row_group, columns=self._columns
+                )
+            row, rows = self._row, table.num_rows
+            if row >= rows:
+                self._row_group += 1
+                self._row = 0
+                self._table, self._rows, self._batches = None, [], None
+                continue
+            if self._batch_rows is not None:
+                n = min(self._batch_rows, rows - row)
+                if self._batches is None:
+                    # The row group cut once, at multiples of batch_rows (no copy
+                    # when each column is one chunk).
+                    whole = table.combine_chunks()
+                    self._batches = whole.to_batches(max_chunksize=self._batch_rows)
+                j, off = divmod(row, self._batch_rows)
+                if not off and j < len(self._batches) and self._batches[j].num_rows == n:
+                    self._row = row + n
+                    return self._batches[j]
+                part = table.slice(row, n)
+                batches = part.to_batches()  # one batch, no copy, when one chunk per column
+                if len(batches) != 1:
+                    batches = part.combine_chunks().to_batches()
+                self._row = row + n
+                return batches[0]
+            at = row - self._rows_at
+            if not 0 <= at < len(self._rows):
+                self._rows = table.slice(row, ROWS_AT_ONCE).to_pylist()
+                self._rows_at, at = row, 0
+            self._row = row + 1
+            return self._rows[at]
+
+    def produce_into(self, out: list[Any], n: int) -> None:
+        # Rows mode: after one produce() (which opens files and converts rows),
+        # the rest of the converted rows in one slice.
+        if self._batch_rows is not None:
+            super().produce_into(out, n)
+            return
+        out.append(self.produce())
+        at = self._row - self._rows_at
+        take = min(n - 1, len(self._rows) - at)
+        if take <= 0:
+            return
+        before = len(out)
+        try:
+            out.extend(self._rows[at : at + take])
+        finally:
+            self._row += len(out) - before  # only the rows handed out count
+
+    def own_state(self) -> dict[str, Any]:
+        return {
+            "path": state_name(self.source, self._path),
+            "row_group": self._row_group if self._path is not None else 0,
+            "row": self._row if self._path is not None else 0,
+        }
+
+    def check_state(self, state: ReadParquetState, states: Mapping[str, Any]) -> None:
+        check_current_file(self.source, state.path, states)
+        if state.path is None:
+            return
+        path = resolve_name(self.source, state.path)
+        resumable_size(self.name, path)
+        try:
+            f, raw = self._parquet(path)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            msg = f"stage '{self.name}': cannot resume {path!r}: {exc}"
+            raise CheckpointError(msg) from None
+        try:
+            groups = f.num_row_groups
+            if state.row_group > groups or (state.row_group == groups and state.row):
+                msg = (
+                    f"stage '{self.name}': the checkpoint resumes {path!r} at row group "
+                    f"{state.row_group}, row {state.row}, but the file has {groups} row "
+                    "groups; the file changed since the checkpoint."
+                )
+                raise CheckpointError(msg)
+            if state.row_group < groups:
+                rows = f.metadata.row_group(state.row_group).num_rows
+                if state.row > rows:
+                    msg = (
+                        f"stage '{self.name}': the checkpoint resumes {path!r} at row "
+                        f"{state.row} of row group {state.row_group}, which has {rows} rows; "
+                        "the file changed since the checkpoint."
+                    )
+                    raise CheckpointError(msg)
+        finally:
+            if raw is not None:
+                raw.close()
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        self._close()
+        if state is None or state["path"] is None:
+            return
+        self._open(resolve_name(self.source, state["path"]))
+        self._row_group, self._row = state["row_group"], state["row"]
+
+    def release(self) -> None:
+        self._close()
+        super().release()
+
+    def _parquet(self, path: str) -> tuple[Any, Any]:
+        pq = need("pyarrow.parquet", f"stage '{self.name}' (read_parquet)")
+        raw = open_binary(path, f"stage '{self.name}'") if is_url(path) else None
+        try:
+            f = pq.ParquetFile(raw if raw is not None else path)
+        except BaseException:
+            if raw is not None:
+                raw.close()
+            raise
+        return f, raw
+
+    def _open(self, path: str) -> None:
+        f, raw = self._parquet(path)
+        if self._columns is not None:
+            names = f.schema_arrow.names
+            missing = [c for c in self._columns if c not in names]
+            if missing:
+                if raw is not None:
+                    raw.close()
+                msg = (
+                    f"stage '{self.name}': {path!r} has no column(s) {missing}; its columns "
+                    f"are {names}. Pass columns= from those (or None for all)."
+                )
+                raise ValueError(msg)
+        self._file, self._raw, self._path = f, raw, path
+        self._table, self._rows, self._rows_at, self._batches = None, [], 0, None
+
+    def _close(self) -> None:
+        if self._raw is not None:
+            self._raw.close()
+        if self._file is not None:
+            self._file.close()
+        self._file = self._raw = self._table = self._batches = None
+        self._rows = []
+        self._path = None
+        self._row_group = self._row = 0

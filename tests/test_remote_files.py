@@ -1,0 +1,244 @@
+"""fsspec paths for every file reader: memory://, file:// and an S3-compatible
+server on loopback (moto's standalone server), resumed exactly mid-file."""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import centralpipe as cp
+from centralpipe.testing import assert_resumes_exactly, collect
+from tests._configs import loader_config
+from tests._torchrun import free_port
+
+fsspec = pytest.importorskip("fsspec")
+
+LOCKSTEP = loader_config(buffer_size=1, chunk_size=1)
+LINES = [f"line {i} " + "x" * (i % 7) for i in range(30)]
+TEXT = ("\n".join(LINES) + "\n").encode()
+#: Where the text is cut into two files: after line 10.
+CUT = len(("\n".join(LINES[:10]) + "\n").encode())
+RECORDS = [{"id": i} for i in range(30)]
+JSONL = b"".join(json.dumps(r).encode() + b"\n" for r in RECORDS)
+#: Two gzip members, cut inside a line.
+JSONL_GZ = gzip.compress(JSONL[:200]) + gzip.compress(JSONL[200:])
+SERVER_START_S = 60.0
+SERVER_STOP_S = 10.0
+
+
+def _take_state(pipe: cp.Pipeline, k: int) -> dict[str, Any]:
+    with cp.Loader(pipe, LOCKSTEP) as loader:
+        it = iter(loader)
+        for _ in range(k):
+            next(it)
+        return loader.state_dict()
+
+
+@pytest.fixture
+def memory_root(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh directory of fsspec's memory filesystem, as a URL ending in /."""
+    fs = fsspec.filesystem("memory")
+    root = f"/{request.node.name.replace('[', '_').replace(']', '_')}"
+    fs.pipe(f"{root}/a.txt", TEXT[:CUT])
+    fs.pipe(f"{root}/sub/b.txt", TEXT[CUT:])
+    fs.pipe(f"{root}/c.jsonl.gz", JSONL_GZ)
+    yield f"memory://{root}/"
+    fs.rm(root, recursive=True)
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["inline", "2-workers"])
+def test_read_lines_over_memory_urls(memory_root: str, workers: int) -> None:
+    """A memory:// glob lists sorted matches, names them relative to its root,
+    and read_lines resumes exactly at every k."""
+    pipe = cp.Pipeline.from_files(memory_root + "**/*.txt").read_lines().dispatch()
+    full = assert_resumes_exactly(pipe, loader_config(num_workers=workers))
+    assert full == LINES
+    state = _take_state(pipe, 3)["central"]
+    assert state["files"]["listing"] == f"a.txt\t{CUT}\nsub/b.txt\t{len(TEXT) - CUT}\n"
+    assert state["read_lines_1"]["path"] == "a.txt"
+
+
+def test_read_jsonl_over_a_memory_url_list(memory_root: str) -> None:
+    """A list of URLs is read in order; a gzip file resumes inside its second member."""
+    pipe = cp.Pipeline.from_files([memory_root + "c.jsonl.gz"]).read_jsonl(field="id")
+    assert assert_resumes_exactly(pipe, LOCKSTEP) == list(range(30))
+    state = _take_state(pipe, 25)["central"]["read_jsonl_1"]
+    assert state["path"] == "c.jsonl.gz"
+    assert state["block"] == len(gzip.compress(JSONL[:200]))
+    consumed = b"".join(json.dumps(r).encode() + b"\n" for r in RECORDS[:25])
+    assert state["offset"] == len(consumed) - 200
+
+
+def test_file_urls_resume_and_move(tmp_path: Path) -> None:
+    """file:// URLs read as local paths do; a checkpoint resumes with the data moved."""
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "a.txt").write_bytes(TEXT)
+    pipe = cp.Pipeline.from_files(f"file://{tmp_path}/one/*.txt").read_lines()
+    assert assert_resumes_exactly(pipe, LOCKSTEP) == LINES
+    state = _take_state(pipe, 7)
+    moved = cp.Pipeline.from_files(f"file://{tmp_path}/two/*.txt").read_lines()
+    with cp.Loader(moved, LOCKSTEP) as loader:
+        loader.load_state_dict(state)
+        assert collect(loader) == LINES[7:]
+
+
+def test_a_changed_memory_file_is_refused(memory_root: str) -> None:
+    """A remote file whose size changed since the checkpoint is a CheckpointError."""
+    pipe = cp.Pipeline.from_files(memory_root + "*.txt").read_lines()
+    state = _take_state(pipe, 2)
+    fsspec.filesystem("memory").pipe(memory_root.removeprefix("memory://") + "a.txt", TEXT[:90])
+    changed = rf"changed size: a.txt \({CUT} -> 90 bytes\)"
+    with cp.Loader(pipe, LOCKSTEP) as loader, pytest.raises(cp.CheckpointError, match=changed):
+        loader.load_state_dict(state)
+
+
+def test_a_remote_offset_past_the_end_is_refused(memory_root: str) -> None:
+    """A damaged offset in a remote file is refused at load, as a local one is."""
+    pipe = cp.Pipeline.from_files(memory_root + "*.txt").read_lines()
+    state = copy.deepcopy(_take_state(pipe, 2))
+    state["central"]["read_lines_1"]["offset"] = 10**6
+    past = "resumes at byte 1000000"
+    with cp.Loader(pipe, LOCKSTEP) as loader, pytest.raises(cp.CheckpointError, match=past):
+        loader.load_state_dict(state)
+
+
+def test_a_url_glob_matching_nothing_says_so(memory_root: str) -> None:
+    """A remote glob with no match is a PipelineError naming the glob."""
+    pipe = cp.Pipeline.from_files(memory_root + "*.parquet").read_lines()
+    with pytest.raises(cp.PipelineError, match=r"matches no file"):
+        cp.Loader(pipe)
+
+
+@pytest.mark.parametrize(
+    ("missing", "url"),
+    [("fsspec.core", "memory://x/*.txt"), ("s3fs", "s3://bucket/*.txt")],
+    ids=["no-fsspec", "no-s3fs"],
+)
+def test_a_missing_package_names_the_remote_extra(
+    monkeypatch: pytest.MonkeyPatch, missing: str, url: str
+) -> None:
+    """Without fsspec (or the protocol's package) a URL is a PipelineError naming the extra."""
+    monkeypatch.setitem(sys.modules, missing, None)
+    if missing == "s3fs":
+        monkeypatch.delitem(sys.modules, "s3fs.core", raising=False)
+    pipe = cp.Pipeline.from_files(url).read_lines()
+    with pytest.raises(cp.PipelineError, match=r"pip install 'centralpipe\[remote\]'"):
+        cp.Loader(pipe)
+
+
+# -- an S3-compatible server on loopback ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    """moto's standalone S3 server on a free loopback port (skipped without moto)."""
+    pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    port = free_port()
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + SERVER_START_S
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.skip("moto's S3 server did not start")
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=SERVER_STOP_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=SERVER_STOP_S)
+
+
+@pytest.fixture
+def s3(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Any:
+    """An s3fs filesystem on the server, set as fsspec's configuration for s3://,
+    with a fresh bucket holding the test files."""
+    import s3fs
+
+    options = {
+        "endpoint_url": s3_endpoint,
+        "key": "test",
+        "secret": "test",
+        "client_kwargs": {"region_name": "eu-west-1"},
+    }
+    monkeypatch.setitem(fsspec.config.conf, "s3", options)
+    fs = s3fs.S3FileSystem(**options)
+    bucket = "b-" + request.node.name.lower().replace("_", "-").replace("[", "-").strip("]-")[-50:]
+    fs.mkdir(bucket)
+    fs.pipe(f"{bucket}/text/a.txt", TEXT[:CUT])
+    fs.pipe(f"{bucket}/text/b.txt", TEXT[CUT:])
+    fs.pipe(f"{bucket}/c.jsonl.gz", JSONL_GZ)
+    fs.bucket = bucket
+    return fs
+
+
+def test_s3_read_lines_and_jsonl_resume_exactly(s3: Any) -> None:
+    """s3:// globs read through the server resume exactly, mid-file and mid-member,
+    from 2 workers into an inline loader."""
+    config, inline = loader_config(num_workers=2), loader_config()
+    lines = cp.Pipeline.from_files(f"s3://{s3.bucket}/text/*.txt").read_lines().dispatch()
+    full = assert_resumes_exactly(lines, config, resume_config=inline, ks=range(0, 31, 3))
+    assert full == LINES
+    records = cp.Pipeline.from_files(f"s3://{s3.bucket}/*.gz").read_jsonl(field="id").dispatch()
+    ks = [0, 1, 12, 25, 29, 30]
+    assert assert_resumes_exactly(records, config, resume_config=inline, ks=ks) == list(range(30))
+    state = _take_state(lines, 3)["central"]
+    assert state["files"]["listing"] == f"a.txt\t{CUT}\nb.txt\t{len(TEXT) - CUT}\n"
+
+
+def test_s3_a_changed_object_is_refused(s3: Any) -> None:
+    """An object rewritten with another size since the checkpoint is a CheckpointError."""
+    pipe = cp.Pipeline.from_files(f"s3://{s3.bucket}/text/*.txt").read_lines()
+    state = _take_state(pipe, 2)
+    s3.pipe(f"{s3.bucket}/text/a.txt", TEXT[:50])
+    changed = rf"changed size: a.txt \({CUT} -> 50 bytes\)"
+    with cp.Loader(pipe, LOCKSTEP) as loader, pytest.raises(cp.CheckpointError, match=changed):
+        loader.load_state_dict(state)
+
+
+def test_import_centralpipe_imports_no_optional_package() -> None:
+    """`import centralpipe` imports none of the readers' optional packages."""
+    optional = ("pyarrow", "datasets", "zstandard", "s3fs", "fsspec")
+    code = (
+        "import sys, centralpipe, centralpipe.stages; "
+        f"print([m for m in {optional!r} if m in sys.modules])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_fsspec_caching_by_url_chaining(memory_root: str) -> None:
+    """fsspec's own caching options pass through as URL chains (simplecache::...)."""
+    pipe = cp.Pipeline.from_files("simplecache::" + memory_root + "*.txt").read_lines()
+    assert assert_resumes_exactly(pipe, LOCKSTEP) == LINES[:10]
+    state = _take_state(pipe, 3)["central"]
+    assert state["files"]["listing"] == f"a.txt\t{CUT}\n"
+    offset = len(("\n".join(LINES[:3]) + "\n").encode())
+    assert state["read_lines_1"] == {"path": "a.txt", "offset": offset}

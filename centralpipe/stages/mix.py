@@ -479,8 +479,8 @@ class Mix(CentralNode[Any]):
 
     # -- metrics and lifetime -----------------------------------------------------------
 
-    def source_time_s(self) -> float:
-        return sum(tip.time_s for tip in self._tips)
+    def source_busy_ns(self) -> int:
+        return sum(tip.busy_ns for tip in self._tips)
 
     def source_items(self) -> int | None:
         return sum(tip.items_out for tip in self._tips)

@@ -36,7 +36,7 @@ def collect(
         out[node.name] = {
             "items_in": node.source_items(),
             "items_out": node.items_out,
-            "time_s": max(0.0, node.time_s - node.source_time_s()),
+            "time_s": node.own_time_s(),
         }
         if node.name in segment_stats:
             seg = segment_stats[node.name]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import time
 from typing import Any
 
 import pytest
@@ -292,6 +293,62 @@ def test_metrics_keys_and_counts() -> None:
     assert (d["num_workers"], d["skipped"], d["restarts"]) == (0, 0, 0)
     assert (d["dispatched"], d["delivered"], d["buffered"]) == (3, 3, 0)
     assert 1 <= d["buffer_high_water"] <= 3
+
+
+SLEEP_S = 0.0005
+
+
+def _sleepy(n: int) -> Any:
+    """A zero-argument callable: ``n`` token lists, each after a ``SLEEP_S`` sleep."""
+
+    def items() -> Any:
+        for i in range(n):
+            time.sleep(SLEEP_S)
+            yield [i] * (i % 7 + 1)
+
+    return items
+
+
+def _same(x: Any) -> Any:
+    return x
+
+
+def _sleepy_pipeline(shape: str) -> tuple[cp.Pipeline, dict[str, int]]:
+    """A fast chain over sleeping sources; the items each source yields, by name."""
+    if shape == "mix":
+        sources = {"a": cp.Pipeline.from_iterable(_sleepy(60), name="src")}
+        sources["b"] = cp.Pipeline.from_iterable(_sleepy(40), name="src")
+        pipe = cp.Pipeline.mix(sources, {"a": 1, "b": 1}, name="mix")
+        slept = {"mix/a/src": 60, "mix/b/src": 40}
+    else:
+        pipe = cp.Pipeline.from_iterable(_sleepy(100), name="src")
+        slept = {"src": 100}
+    pipe = pipe.map(_same, parallel=shape == "parallel", name="m")
+    # An unlimited buffer: the bucket's first call reads the whole epoch.
+    pipe = pipe.bucket_by_max_tokens(20, buffer_size=None, name="b").count("c", weight_fn=len)
+    return pipe.batch(2, name="bt").dispatch().map(_same), slept
+
+
+@pytest.mark.parametrize("num_workers", [0, 2], ids=["inline", "2-workers"])
+@pytest.mark.parametrize("shape", ["chain", "parallel", "mix"])
+def test_stage_times_are_own_times_within_the_epoch(shape: str, num_workers: int) -> None:
+    """Each stage's ``time_s`` is its own, without its source's: a sleeping
+    source has at least its sleeps, and all stages together no more than the
+    epoch's wall time (a bucket that reads the whole epoch in one call
+    reported 16 times the source's time)."""
+    pipe, slept = _sleepy_pipeline(shape)
+    start = time.perf_counter()
+    with cp.Loader(pipe, loader_config(num_workers=num_workers)) as loader:
+        buckets = [bucket for batch in loader for bucket in batch]
+        wall_s = time.perf_counter() - start
+        assert sum(map(len, buckets)) == loader.query("c")["weight"] == sum(slept.values())
+        m = loader.metrics()
+    own = {name: v["time_s"] for name, v in m.items() if name != "dispatch"}
+    assert set(own) == {*slept, "m", "b", "c", "bt", *(["mix"] if shape == "mix" else [])}
+    for name, n in slept.items():
+        assert own[name] >= n * SLEEP_S, name
+    assert sum(own.values()) <= wall_s
+    assert all(t >= 0.0 for t in own.values())
 
 
 def test_metrics_of_a_fresh_loader() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from fractions import Fraction
 from itertools import islice
 from typing import Any
 
@@ -309,12 +310,30 @@ _GOOD = {"a": cp.Pipeline.from_iterable([1]), "b": cp.Pipeline.from_iterable([2]
         pytest.param({"a": True, "b": 1}, "source 'a'", id="bool"),
         pytest.param({"a": "1", "b": 1}, "source 'a'", id="str"),
         pytest.param({"a": 0, "b": 0.0}, "at least one", id="all-zero"),
+        pytest.param({"a": None, "b": 1}, "source 'a'.*got NoneType", id="none"),
+        pytest.param({"a": 10**400, "b": 1}, "source 'a'.*int beyond the float", id="huge-int"),
+        pytest.param({"a": 1, "b": -(10**400)}, "source 'b'.*beyond the float", id="huge-neg"),
+        pytest.param(
+            {"a": Fraction(10**400, 3), "b": 1}, "source 'a'.*Fraction beyond", id="huge-fraction"
+        ),
+        pytest.param({"a": 10**5000, "b": 1}, "source 'a'.*beyond", id="past-int-str-limit"),
+        pytest.param({"a": 1e308, "b": 1e308}, "finite sum", id="sum-overflows"),
     ],
 )
 def test_bad_weights_name_the_problem(weights: Any, match: str) -> None:
-    """Weights must be finite, >= 0, not all 0, one per source."""
-    with pytest.raises(cp.PipelineError, match=match):
+    """Weights must be finite floats, >= 0, not all 0, with a finite sum, one per
+    source: anything else is a PipelineError at build naming the mix and the source."""
+    with pytest.raises(cp.PipelineError, match=f"mix 'm': .*{match}"):
         cp.Pipeline.mix(_GOOD, weights, name="m")
+
+
+def test_weights_of_any_real_type_become_floats() -> None:
+    """Big ints and Fractions within the float range are kept, as floats."""
+    weights = {"a": 10**300, "b": Fraction(1, 3)}
+    pipe = cp.Pipeline.mix(_GOOD, weights, name="m", stop="all_exhausted")
+    with cp.Loader(pipe) as loader:
+        assert sorted(loader) == [1, 2]
+        assert loader.query("m")["weights"] == {"a": 1e300, "b": 1 / 3}
 
 
 @pytest.mark.parametrize(

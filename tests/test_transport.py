@@ -590,3 +590,91 @@ def test_unpicklable_object_raises_on_dumps() -> None:
     """Objects pickle refuses are refused the same way."""
     with pytest.raises((TypeError, pickle.PicklingError, AttributeError)):
         transport.dumps(lambda: 0)
+
+
+# -- ndarray subclasses and read-only memory --------------------------------------
+
+
+class Tagged(np.ndarray):
+    """A user's ndarray subclass that keeps numpy's own reduction."""
+
+
+def _array_kind(path: str, kind: str) -> Any:
+    """A worker-made array of ``kind``, over the float32 file at ``path`` where it maps one."""
+    if kind in ("memmap-r", "memmap-r+", "memmap-c"):
+        return np.memmap(path, dtype=np.float32, mode=kind.split("-", 1)[1])
+    if kind == "memmap-slice":
+        return np.memmap(path, dtype=np.float32, mode="r")[100:110]
+    if kind == "asarray-of-memmap":  # a plain ndarray over read-only mapped memory
+        return np.asarray(np.memmap(path, dtype=np.float32, mode="r"))
+    if kind == "memmap-in-dict":
+        m = np.memmap(path, dtype=np.float32, mode="r")
+        return {"head": m[:8], "all": m}
+    if kind in ("chararray", "asarray-of-chararray"):  # refuses a view of another dtype
+        chars = np.char.array(["ab", "cd", "ef"])
+        chars.flags.writeable = False
+        return chars if kind == "chararray" else np.asarray(chars)[1:]
+    made = np.arange(8192, dtype=np.float32)  # 32 KiB of memory of its own: the plain path
+    if kind == "subclass":
+        made = made.view(Tagged)
+    elif kind == "masked":  # a subclass with a reduction of its own
+        made = np.ma.masked_less(made, 3.0)
+    elif kind == "view":
+        made = made[::2]
+    if kind.startswith("ro-") or kind in ("subclass", "masked", "view"):
+        made.flags.writeable = False
+    return made
+
+
+def _observed(x: Any) -> Any:
+    """What a user sees of an array result: class, writability, dtype, shape, values."""
+    if isinstance(x, dict):
+        return {k: _observed(v) for k, v in x.items()}
+    return (type(x).__name__, x.flags.writeable, x.dtype.str, x.shape, np.asarray(x).tobytes())
+
+
+ARRAY_KINDS = [
+    "memmap-r",
+    "memmap-r+",
+    "memmap-c",
+    "memmap-slice",
+    "asarray-of-memmap",
+    "memmap-in-dict",
+    "ro-own",
+    "subclass",
+    "chararray",
+    "asarray-of-chararray",
+    "masked",
+    "view",
+]
+
+
+@pytest.mark.parametrize("kind", ARRAY_KINDS, ids=ARRAY_KINDS)
+def test_array_results_keep_class_and_writability_through_workers(
+    kind: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-only ``np.memmap`` (whole, sliced, or under a plain view), a
+    read-only subclass (numpy's reduction or its own) and a read-only view made
+    in a worker arrive as with ``num_workers=0``: same class, read-only, same
+    values; writable memmaps stay writable. A read-only array owning its memory
+    takes the plain table path, the others the pickled one."""
+    path = str(tmp_path / "x.f32")
+    np.arange(50_000, dtype=np.float32).tofile(path)  # 200 KiB: through the ring
+    tables = []
+    rebuild = transport.plain.rebuild
+
+    def spy(table: list[int], buffers: list[Any]) -> list[Any]:
+        tables.append(table)
+        return rebuild(table, buffers)
+
+    monkeypatch.setattr(transport.plain, "rebuild", spy)
+    pipe = cp.Pipeline.from_iterable(range(3)).dispatch().map(lambda _: _array_kind(path, kind))
+    got = {}
+    for n in (0, 2):
+        with cp.Loader(pipe, loader_config(num_workers=n, chunk_size=1)) as loader:
+            items = list(loader)
+        got[n] = [_observed(x) for x in items]
+        if kind == "memmap-in-dict":  # a view and its base arrive on one memory
+            assert all(np.shares_memory(x["head"], x["all"]) for x in items)
+    assert got[2] == got[0] == [_observed(_array_kind(path, kind))] * 3
+    assert bool(tables) == (kind == "ro-own")

@@ -17,6 +17,12 @@ message's tensors and arrays use of it. So
 - every dtype crosses as bytes (``bool``, ``bfloat16``, complex, structured
   numpy dtypes), 0-d and non-contiguous arrays keep their shape and strides,
   read-only numpy arrays stay read-only;
+- an ndarray subclass that keeps numpy's own reduction (``np.memmap``,
+  ``np.recarray``, a user's class) crosses as a plain array, memory and
+  sharing included, and is viewed as its class on arrival (what numpy's
+  pickle makes of it: a memmap arrives as a ``np.memmap`` over memory of its
+  own); one with a reduction of its own (``np.ma.MaskedArray``) uses it, and
+  arrives read-only when it was (numpy's pickles forget the flag);
 - large regions (and protocol-5 ``PickleBuffer``\\ s of other libraries) travel
   out of band: :func:`dumps` returns them as separate buffers (memoryviews of
   the original memory, no copy). :func:`write` given the sender's
@@ -237,6 +243,8 @@ class _Pickler(pickle.Pickler):
         if cls is Sealed:
             self.sealed.append(dumps(obj.obj))
             return (_sealed, (len(self.sealed) - 1,))
+        if np is not None and isinstance(obj, np.ndarray):
+            return self._reduce_array_subclass(obj)
         return NotImplemented
 
     def _reduce_tensor(self, t: torch.Tensor) -> Any:
@@ -285,7 +293,9 @@ class _Pickler(pickle.Pickler):
             key = ("n", root.__array_interface__["data"][0], root.nbytes)
             reg = self.regions.get(key)
             if reg is None:
-                reg = self.region(key, root.reshape(-1, order="A").view(np.uint8), key[1])
+                # As a plain ndarray: a subclass (chararray) may refuse a uint8 view.
+                flat = root.view(np.ndarray).reshape(-1, order="A").view(np.uint8)
+                reg = self.region(key, flat, key[1])
         else:  # memory of another layout (e.g. broadcast): this array alone, compact
             a = a if a.flags.c_contiguous or a.flags.f_contiguous else np.ascontiguousarray(a)
             addr = a.__array_interface__["data"][0]
@@ -294,6 +304,30 @@ class _Pickler(pickle.Pickler):
             span = (0, a.nbytes)
         reg.cover(*span)
         return (_rebuild_array, (reg, offset, a.dtype, a.shape, a.strides, writeable))
+
+    def _reduce_array_subclass(self, a: Any) -> Any:
+        """An ndarray subclass (``np.memmap``, ``np.matrix``, a user's class).
+
+        One that keeps numpy's own reduction (which carries only the class,
+        dtype, shape and bytes) crosses as a plain array does, memory shared
+        and read-only kept, and is viewed as its class on arrival. One with a
+        reduction of its own uses it; then a read-only array is made
+        read-only again on arrival, which numpy's pickles do not do."""
+        cls = type(a)
+        if (
+            cls.__reduce_ex__ is np.ndarray.__reduce_ex__
+            and cls.__reduce__ is np.ndarray.__reduce__
+            and cls.__setstate__ is np.ndarray.__setstate__
+        ):
+            rv = self._reduce_array(a.view(np.ndarray))
+            if rv is not NotImplemented:
+                return (_as_subclass, (cls, *rv))
+        if a.flags.writeable:
+            return NotImplemented
+        rv = a.__reduce_ex__(5)
+        if not isinstance(rv, tuple) or not 2 <= len(rv) <= 3:
+            return NotImplemented  # pragma: no cover - no numpy class reduces so
+        return (_read_only, (rv[0], rv[1], rv[2] if len(rv) == 3 else None))
 
 
 def _reduce_memoryview(m: memoryview) -> Any:
@@ -397,6 +431,20 @@ def _rebuild_array(
     a = np.ndarray(shape, dtype, buffer=reg.root(), offset=offset - reg.base, strides=strides)
     if not writeable:
         a.flags.writeable = False
+    return a
+
+
+def _as_subclass(cls: type, rebuild: Any, args: tuple[Any, ...]) -> Any:
+    """The array that ``rebuild(*args)`` makes, viewed as ``cls``."""
+    return rebuild(*args).view(cls)
+
+
+def _read_only(rebuild: Any, args: tuple[Any, ...], state: Any) -> Any:
+    """What ``pickle`` makes of the reduction ``(rebuild, args, state)``, read-only."""
+    a = rebuild(*args)
+    if state is not None:
+        a.__setstate__(state)
+    a.flags.writeable = False
     return a
 
 

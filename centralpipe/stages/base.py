@@ -22,8 +22,8 @@ exception leaves the input held.
 from __future__ import annotations
 
 import abc
-import time
 from collections.abc import Mapping
+from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import attrs
@@ -50,8 +50,6 @@ __all__ = [
 SOURCE_KEY = "source"
 #: The inputs an interrupted call had pulled and not passed on (present only then).
 HELD_KEY = "held"
-#: Stage time is measured on one call in this many.
-TIME_EVERY = 16
 T = TypeVar("T")
 
 
@@ -130,7 +128,9 @@ class CentralNode(BaseNode[T], Generic[T]):
         self.name = name
         self.ctx = ctx
         self.items_out = 0
-        self.time_s = 0.0
+        #: Nanoseconds spent in this stage's calls, its source's calls
+        #: (made from inside them) included; see :meth:`own_time_s`.
+        self.busy_ns = 0
         #: Inputs pulled from ``source`` by a call that was interrupted before
         #: it passed them on (see the module docstring); the next call takes
         #: them first. In the state under ``HELD_KEY`` when not empty.
@@ -166,11 +166,11 @@ class CentralNode(BaseNode[T], Generic[T]):
         return state
 
     def next(self) -> T:
-        # Time one call in TIME_EVERY (and count it TIME_EVERY times): the
-        # clock costs as much as a cheap stage, and the estimate is unbiased.
-        n = self.items_out
-        timed = not n % TIME_EVERY
-        start = time.perf_counter() if timed else 0.0
+        # Every call is timed: a sample of calls cannot be split into the
+        # stage's own time and its source's (a bucket's sampled call may be
+        # the one that reads 50,000 inputs), so sampled own times added up
+        # to more than the epoch.
+        start = perf_counter_ns()
         try:
             item = self.produce()
         except StopIteration:
@@ -179,9 +179,8 @@ class CentralNode(BaseNode[T], Generic[T]):
             add_stage_note(exc, self.name)
             raise
         finally:
-            if timed:
-                self.time_s += (time.perf_counter() - start) * TIME_EVERY
-        self.items_out = n + 1
+            self.busy_ns += perf_counter_ns() - start
+        self.items_out += 1
         return item
 
     def pull_into(self, out: list[T], n: int) -> None:
@@ -193,7 +192,7 @@ class CentralNode(BaseNode[T], Generic[T]):
         them, and the stage's position is just after them, so pulling in
         bulk loses nothing and checkpoints stay exact."""
         before = len(out)
-        start = time.perf_counter()
+        start = perf_counter_ns()
         try:
             self.produce_into(out, n)
         except StopIteration:
@@ -203,7 +202,7 @@ class CentralNode(BaseNode[T], Generic[T]):
             raise
         finally:
             self.items_out += len(out) - before
-            self.time_s += time.perf_counter() - start
+            self.busy_ns += perf_counter_ns() - start
 
     # -- flat state, keyed by stage name (what the Loader checkpoints) --------
 
@@ -295,8 +294,15 @@ class CentralNode(BaseNode[T], Generic[T]):
         if isinstance(self.source, CentralNode):
             self.source.release()
 
-    def source_time_s(self) -> float:
-        return self.source.time_s if isinstance(self.source, CentralNode) else 0.0
+    def source_busy_ns(self) -> int:
+        """Nanoseconds spent in the calls this stage made to its source."""
+        return self.source.busy_ns if isinstance(self.source, CentralNode) else 0
+
+    def own_time_s(self) -> float:
+        """Seconds spent in this stage's calls, less the time in its source's:
+        exact (every call is timed), so the stages' own times of one chain
+        partition the time spent in it and add up to no more than it."""
+        return max(0, self.busy_ns - self.source_busy_ns()) / 1e9
 
     def source_items(self) -> int | None:
         return self.source.items_out if isinstance(self.source, CentralNode) else None

@@ -33,6 +33,7 @@ from __future__ import annotations
 import bisect
 import math
 import random
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from numbers import Real
 from typing import Any
@@ -154,18 +155,35 @@ def check_weights(weights: Any, keys: Sequence[str], name: str) -> dict[str, flo
         raise PipelineError(msg)
     out: dict[str, float] = {}
     for key in keys:
-        w = weights[key]
-        if not isinstance(w, Real) or isinstance(w, bool) or not math.isfinite(w) or w < 0:
-            msg = (
-                f"mix '{name}': the weight of source '{key}' must be a finite number >= 0, "
-                f"got {w!r}."
-            )
-            raise PipelineError(msg)
-        out[key] = float(w)
+        out[key] = _check_weight(weights[key], key, name)
     if not any(out.values()):
         msg = f"mix '{name}': at least one weight must be > 0, got {out}."
         raise PipelineError(msg)
+    if not math.isfinite(sum(out.values())):  # the draw adds them up as floats
+        msg = (
+            f"mix '{name}': the weights must have a finite sum as floats, got {out}; "
+            "scale them down (only their ratios matter)."
+        )
+        raise PipelineError(msg)
     return out
+
+
+def _check_weight(w: Any, key: str, name: str) -> float:
+    """One source's weight as a finite float >= 0; ``PipelineError`` naming the source."""
+    expected = f"mix '{name}': the weight of source '{key}' must be a finite number >= 0"
+    if not isinstance(w, Real) or isinstance(w, bool):
+        raise PipelineError(f"{expected}, got {type(w).__name__} {w!r:.80}.")
+    try:
+        f = float(w)  # an int or Fraction beyond the float range overflows here
+    except OverflowError:
+        msg = (
+            f"{expected}, got {type(w).__name__} beyond the float range (> {sys.float_info.max:.3g}"
+            " in magnitude); scale the weights down (only their ratios matter)."
+        )
+        raise PipelineError(msg) from None
+    if not math.isfinite(f) or f < 0:
+        raise PipelineError(f"{expected}, got {w!r:.80}.")
+    return f
 
 
 def mix_spec(pipelines: Any, weights: Any, stop: Any, name: Any) -> StageSpec:
@@ -461,8 +479,8 @@ class Mix(CentralNode[Any]):
 
     # -- metrics and lifetime -----------------------------------------------------------
 
-    def source_time_s(self) -> float:
-        return sum(tip.time_s for tip in self._tips)
+    def source_busy_ns(self) -> int:
+        return sum(tip.busy_ns for tip in self._tips)
 
     def source_items(self) -> int | None:
         return sum(tip.items_out for tip in self._tips)

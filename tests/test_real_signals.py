@@ -43,10 +43,18 @@ def _times2(x: int) -> int:
     return 2 * x
 
 
-#: No ``count`` stage: its item-by-item pulls go through windows inside the
-#: central stages' own ``next()`` that this module does not cover.
+def _same(batch: list[int]) -> list[int]:
+    return batch
+
+
+#: "stages": central stages that pull item by item in the caller's thread
+#: (map, count, batch, flat_map), each taking inputs through ``pull_one``.
 KINDS = {
     "inline": (0, lambda p: p.dispatch().map(_times2)),
+    "stages": (
+        0,
+        lambda p: p.map(_times2).count(name="counted").batch(4).flat_map(_same).dispatch(),
+    ),
     "workers": (2, lambda p: p.dispatch().map(_times2)),
     "parallel": (2, lambda p: p.map(_times2, parallel=True).dispatch()),
 }

@@ -163,7 +163,7 @@ def _keep(s: Stream, chunk: Chunk, counted: list[int]) -> None:
 
 def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | None:
     started = time.perf_counter()
-    nxt = s.tip.next
+    one = s.tip.pull_into
     items, stamps = chunk.items, chunk.stamps
     append = items.append
     # Without stamps, items come in bulk (``pull_into``): a source or a
@@ -221,7 +221,10 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
                             # Appended before it is stamped: an interrupt at
                             # the stamp's call would otherwise drop the item
                             # the chain has just produced (a whole batch).
-                            append(nxt())
+                            # One at a time through pull_into, not next():
+                            # next()'s timing call after the item is made is
+                            # where a Ctrl-C could drop it.
+                            one(items, 1)
                             if stamps is not None:
                                 stamps.append(s._stamp_now())
                     if time.perf_counter() > slice_end or s.stopping:

@@ -17,6 +17,14 @@ own buffers), so the next ``next()`` carries on with it and ``state_dict()``
 taken at that moment records it. Only ``Exception`` is a stage's failure (the
 input it raised on is dropped and the pass goes on after it); any other
 exception leaves the input held.
+
+CPython (3.11) handles a pending signal as a Python function starts, on a
+loop's backward jump, and right after a call into C returns, never as a
+Python function returns nor inside a list operation. So a stage never takes
+an input with ``x = next(source)`` or ``held.pop()`` (a Ctrl-C landing as
+the builtin returns loses the item the source has already counted): it takes
+one with :func:`pull_one` into ``held`` and removes it with ``held[-1]`` and
+``del held[-1]``, so an input is always either in the source or held.
 """
 
 from __future__ import annotations
@@ -45,12 +53,27 @@ __all__ = [
     "RunContext",
     "Total",
     "add_stage_note",
+    "pull_one",
 ]
 
 SOURCE_KEY = "source"
 #: The inputs an interrupted call had pulled and not passed on (present only then).
 HELD_KEY = "held"
 T = TypeVar("T")
+
+
+def pull_one(source: BaseNode[Any], out: list[Any]) -> None:
+    """Append ``source``'s next item to ``out``, or raise ``StopIteration``.
+
+    What ``out.append(next(source))`` means, without its window: there a
+    Ctrl-C handled as the builtin ``next()`` returns drops an item the source
+    has already handed out. Here the item moves only inside the list's own
+    ``append`` and Python-level returns, so once the source has handed it out
+    it is in ``out`` whatever is raised after."""
+    if isinstance(source, CentralNode):
+        source.pull_into(out, 1)
+    else:
+        out.append(source.__next__())
 
 
 @attrs.define
@@ -166,6 +189,9 @@ class CentralNode(BaseNode[T], Generic[T]):
         return state
 
     def next(self) -> T:
+        # For callers outside the package (torchdata's, a user's): a Ctrl-C
+        # handled at the timing call after produce() drops the item made.
+        # The package's own pulls go through pull_into() (see pull_one).
         # Every call is timed: a sample of calls cannot be split into the
         # stage's own time and its source's (a bucket's sampled call may be
         # the one that reads 50,000 inputs), so sampled own times added up

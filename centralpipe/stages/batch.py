@@ -29,7 +29,7 @@ from attrs import validators as v
 from torchdata.nodes import BaseNode
 
 from centralpipe.pipeline import StageSpec
-from centralpipe.stages.base import HELD, CentralNode, HeldState, RunContext, Total
+from centralpipe.stages.base import HELD, CentralNode, HeldState, RunContext, Total, pull_one
 from centralpipe.stages.measures import as_length
 from centralpipe.validators import FieldError, checked, int_in, sequence_of
 
@@ -98,12 +98,15 @@ class Batch(CentralNode[list[Any]]):
         out, source, size = self.held, self.source, self._batch_size
         while len(out) < size:
             try:
-                out.append(next(source))
+                pull_one(source, out)
             except StopIteration:
                 break
-        self.held = []
+        # Decided before the group leaves ``held``: from there to the return
+        # no call is made, so no Ctrl-C can drop the group.
         if not out or (self._drop_last and len(out) < size):
+            self.held = []
             raise StopIteration
+        self.held = []
         return out
 
     def own_state(self) -> dict[str, Any]:
@@ -167,7 +170,10 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
                 held = self.held
                 while cap is None or len(heap) < cap:
                     try:
-                        item = held.pop() if held else next(self.source)
+                        if not held:
+                            pull_one(self.source, held)
+                        item = held[-1]
+                        del held[-1]
                     except StopIteration:
                         self._draining = True
                         break

@@ -19,7 +19,7 @@ import attrs
 from torchdata.nodes import BaseNode
 
 from centralpipe.pipeline import StageSpec
-from centralpipe.stages.base import HELD, CentralNode, RunContext, Total
+from centralpipe.stages.base import HELD, CentralNode, RunContext, Total, pull_one
 from centralpipe.stages.measures import as_weight
 from centralpipe.validators import NUMBER, FieldError, checked, int_in
 
@@ -64,7 +64,10 @@ class Count(CentralNode[Any]):
     def produce(self) -> Any:
         assert self.source is not None
         held = self.held
-        item = held.pop() if held else next(self.source)
+        if not held:
+            pull_one(self.source, held)
+        item = held[-1]
+        del held[-1]
         if self._weight_fn is None:
             self.weight += 1
         else:

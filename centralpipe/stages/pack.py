@@ -47,7 +47,7 @@ from torchdata.nodes import BaseNode
 
 from centralpipe.errors import PipelineError
 from centralpipe.pipeline import StageSpec
-from centralpipe.stages.base import HELD, CentralNode, RunContext, Total
+from centralpipe.stages.base import HELD, CentralNode, RunContext, Total, pull_one
 from centralpipe.stages.measures import as_length
 from centralpipe.validators import FieldError, checked, int_in, sequence_of
 
@@ -219,7 +219,7 @@ class Pack(CentralNode[list[Any]]):
                 return self._emit(self._oldest())
             if not held:
                 try:
-                    held.append(next(source))
+                    pull_one(source, held)
                 except StopIteration:
                     self._draining = True
                     continue

@@ -59,7 +59,9 @@ class Parallel(CentralNode[Any]):
     def produce(self) -> Any:
         if self._outputs is None:  # pragma: no cover - the Loader always attaches
             raise RuntimeError(f"parallel stage '{self.name}' has no stream attached.")
-        return next(self._outputs)
+        # A direct call of the Python-level __next__: the builtin next()
+        # could drop the output to a Ctrl-C handled as it returns.
+        return self._outputs.__next__()
 
     def produce_into(self, out: list[Any], n: int) -> None:
         # The rest of the current chunk in one slice; the first output of

@@ -17,7 +17,7 @@ from torchdata.nodes import BaseNode
 
 from centralpipe.pipeline import StageSpec
 from centralpipe.seeding import derive_seed
-from centralpipe.stages.base import CentralNode, RunContext, Total
+from centralpipe.stages.base import CentralNode, RunContext, Total, pull_one
 from centralpipe.validators import FieldError, checked, sequence_of
 
 __all__ = ["Shuffle", "ShuffleState"]
@@ -78,7 +78,7 @@ class Shuffle(CentralNode[Any]):
         buf = self._buffer
         while not self._draining and len(buf) < self._size:
             try:
-                buf.append(next(self.source))
+                pull_one(self.source, buf)
             except StopIteration:
                 self._draining = True
         if not buf:

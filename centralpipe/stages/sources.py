@@ -128,8 +128,8 @@ class IterableSource(CentralNode[Any]):
             # The position moves first, and back if an item raised: CPython
             # may handle a Ctrl-C as the extend returns, and counting the
             # items after it would then hand them out a second time.
-            self._index = end
             getitems = getattr(seq, "__getitems__", None)
+            self._index = end
             try:
                 if callable(getitems):
                     # A batched fetch (torch's protocol, which datasets.Dataset

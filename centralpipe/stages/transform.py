@@ -19,7 +19,7 @@ import attrs
 from torchdata.nodes import BaseNode
 
 from centralpipe.pipeline import StageSpec
-from centralpipe.stages.base import HELD, CentralNode, HeldState, RunContext, Total
+from centralpipe.stages.base import HELD, CentralNode, HeldState, RunContext, Total, pull_one
 from centralpipe.validators import FieldError, checked, sequence_of
 
 __all__ = ["Filter", "FlatMap", "FlatMapState", "Map"]
@@ -70,7 +70,10 @@ class Map(_OneHeld):
     def produce(self) -> Any:
         assert self.source is not None
         held = self.held
-        item = held.pop() if held else next(self.source)
+        if not held:
+            pull_one(self.source, held)
+        item = held[-1]
+        del held[-1]
         try:
             return self._fn(item)
         except BaseException as exc:
@@ -102,7 +105,10 @@ class Filter(_OneHeld):
         assert self.source is not None
         pred, source, held = self._pred, self.source, self.held
         while True:
-            item = held.pop() if held else next(source)
+            if not held:
+                pull_one(source, held)
+            item = held[-1]
+            del held[-1]
             try:
                 keep = pred(item)
             except BaseException as exc:
@@ -137,7 +143,10 @@ class FlatMap(CentralNode[Any]):
         assert self.source is not None
         pending, held = self._pending, self.held
         while not pending:
-            item = held.pop() if held else next(self.source)
+            if not held:
+                pull_one(self.source, held)
+            item = held[-1]
+            del held[-1]
             outputs: list[Any] = []
             try:
                 outputs.extend(self._fn(item))
@@ -148,7 +157,10 @@ class FlatMap(CentralNode[Any]):
                     held.append(item)
                 raise
             pending.extend(outputs)
-        return pending.popleft()
+        # Not popleft(): a Ctrl-C handled as that call returns would drop the output.
+        out = pending[0]
+        del pending[0]
+        return out
 
     def own_state(self) -> dict[str, Any]:
         return self.with_held({PENDING_KEY: list(self._pending)})

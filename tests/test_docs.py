@@ -99,10 +99,10 @@ def test_every_block_is_python_or_marked(page: Path) -> None:
 @pytest.mark.parametrize("page", RUNNABLE, ids=lambda p: p.name)
 def test_page_runs(page: Path, tmp_path: Path) -> None:
     """The page's runnable blocks run in order as one script, on the bundled corpus."""
-    data = tmp_path / "data"
-    data.mkdir()
-    for path in sorted((ROOT / "examples" / "data").glob("*.txt")):
-        shutil.copy(path, data / path.name)
+    for data in (tmp_path / "data", tmp_path / "examples" / "data"):
+        data.mkdir(parents=True)
+        for path in sorted((ROOT / "examples" / "data").glob("*.txt")):
+            shutil.copy(path, data / path.name)
     script = tmp_path / f"{page.stem}_doc.py"
     script.write_text(as_script(PRELUDE + "\n\n".join(_runnable(page))))
     proc = subprocess.run(
@@ -115,6 +115,33 @@ def test_page_runs(page: Path, tmp_path: Path) -> None:
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert proc.returncode == 0, f"{page.name}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 30)
+def test_readme_snippet_runs_as_shown_from_the_repository_root(tmp_path: Path) -> None:
+    """The README's 30-second snippet, exactly as printed (no prelude), run from
+    the repository root as a new user would: it finds the bundled corpus, resumes
+    after batch 10, and no batch is the blank lines' batch of empty rows."""
+    (code,) = _runnable(ROOT / "README.md")
+    check = """
+if __name__ == "__main__":
+    assert state is not None and rest, "the snippet delivered nothing after its checkpoint"
+    assert all(len(row) > 0 for batch in rest for row in batch), "a batch holds an empty line"
+    print("README-OK", step, len(rest))
+"""
+    script = tmp_path / "readme_snippet.py"
+    script.write_text(code + check)
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert "README-OK 10 " in proc.stdout
 
 
 # -- printed outputs: a fragment that shows what the library returns must match it ------

@@ -319,11 +319,11 @@ def test_interrupt_while_mix_starts_a_pass(monkeypatch: pytest.MonkeyPatch, work
     ("pipe", "stage", "held"),
     [
         pytest.param(
-            cp.Pipeline.from_iterable(range(9)).batch(3), "batch_1", [1, 2, 3], id="batch"
+            cp.Pipeline.from_iterable(range(9)).batch(3), "batch_1", [1, 2, 3, 4], id="batch"
         ),
         pytest.param(cp.Pipeline.from_iterable(range(9)).map(_inc), "map_1", [1, 2], id="map-two"),
         pytest.param(
-            cp.Pipeline.from_iterable(range(9)).count("c"), "c", [4], id="count-no-weight_fn"
+            cp.Pipeline.from_iterable(range(9)).count("c"), "c", [4, 5], id="count-no-weight_fn"
         ),
     ],
 )

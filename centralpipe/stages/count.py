@@ -102,4 +102,4 @@ class Count(CentralNode[Any]):
         self.restore_held(state)
 
     def check_state(self, state: CountState, states: Any) -> None:
-        self.check_held(state.held, 0 if self._weight_fn is None else 1)
+        self.check_held(state.held, 1)

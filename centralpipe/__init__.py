@@ -18,6 +18,8 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
+from centralpipe import _moved
+
 if TYPE_CHECKING:
     from centralpipe import packing as packing
     from centralpipe.config import DistributedConfig, LoaderConfig, WorkerConfig
@@ -104,3 +106,6 @@ class _Package(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _Package
+
+# Old module paths import their module from its new path (:mod:`centralpipe._moved`).
+_moved.install()

@@ -25,7 +25,13 @@ from collections.abc import Sequence
 __all__ = ["MOVED", "PUBLIC", "MovedFinder", "install"]
 
 #: Old path -> new path, deprecated.
-MOVED: dict[str, str] = {}
+MOVED: dict[str, str] = {
+    "centralpipe.dispatch.protocol": "centralpipe.dispatch.wire.protocol",
+    "centralpipe.dispatch.transport": "centralpipe.dispatch.wire.transport",
+    "centralpipe.dispatch.plain": "centralpipe.dispatch.wire.plain",
+    "centralpipe.dispatch.shm": "centralpipe.dispatch.wire.shm",
+    "centralpipe.dispatch.stash": "centralpipe.dispatch.wire.stash",
+}
 
 #: Documented path -> the module's home; not deprecated.
 PUBLIC: dict[str, str] = {}

@@ -30,11 +30,12 @@ import pytest
 
 import centralpipe as cp
 from centralpipe import faults
-from centralpipe.dispatch import protocol, sender, shm
+from centralpipe.dispatch import sender
 from centralpipe.dispatch.budget import ResultBytes
 from centralpipe.dispatch.chain import WorkerChain
 from centralpipe.dispatch.procpool import ProcessPool
 from centralpipe.dispatch.reorder import Stream
+from centralpipe.dispatch.wire import protocol, shm
 from centralpipe.testing import collect
 from tests._configs import loader_config
 

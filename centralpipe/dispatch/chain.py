@@ -13,7 +13,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from centralpipe.dispatch.protocol import (
+from centralpipe.dispatch.wire.protocol import (
     ChunkResult,
     StageFailure,
     exception_text,

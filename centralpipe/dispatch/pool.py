@@ -2,7 +2,7 @@
 
 An :class:`Executor` owns ``num_workers`` *slots*; each slot has one worker
 (a process with a duplex pipe, or a thread with an inbox queue), a send lock
-and a shared status array (see :mod:`centralpipe.dispatch.protocol`). The
+and a shared status array (see :mod:`centralpipe.dispatch.wire.protocol`). The
 supervisor talks to both kinds through the same few calls: ``send`` (blocking,
 by the sending thread only), ``wait`` (by the supervisor thread only),
 ``replace``, ``kill`` and ``close``. This module holds what both share; the
@@ -17,8 +17,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
-from centralpipe.dispatch import shm
-from centralpipe.dispatch.protocol import (
+from centralpipe.dispatch.wire import shm
+from centralpipe.dispatch.wire.protocol import (
     STATUS_READY,
     Encoded,
     read_status,

@@ -2,7 +2,7 @@
 
 Each slot's worker is a process with a duplex pipe, a death pipe (it exits
 when the main process goes) and a shared-memory ring for large results
-(:mod:`centralpipe.dispatch.shm`). Shutdown escalates: close our pipe ends (a
+(:mod:`centralpipe.dispatch.wire.shm`). Shutdown escalates: close our pipe ends (a
 worker reading gets EOF, one writing gets EPIPE) → join → terminate → kill,
 each bounded.
 """
@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from centralpipe.dispatch import protocol, shm
 from centralpipe.dispatch.pool import ABANDON_ALL, Event, Executor, Slot, describe_exit
-from centralpipe.dispatch.protocol import (
+from centralpipe.dispatch.wire import protocol, shm
+from centralpipe.dispatch.wire.protocol import (
     STATUS_LEN,
     Encoded,
 )

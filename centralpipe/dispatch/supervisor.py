@@ -22,13 +22,13 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
-from centralpipe.dispatch import protocol
 from centralpipe.dispatch.budget import ResultBytes
 from centralpipe.dispatch.guard import join_started
 from centralpipe.dispatch.pool import Executor, Slot
 from centralpipe.dispatch.procpool import ProcessPool
-from centralpipe.dispatch.protocol import MSG_RESULT, MSG_STATES, Chunk, StageFailure
 from centralpipe.dispatch.reorder import Stream, StreamStats, logger
+from centralpipe.dispatch.wire import protocol
+from centralpipe.dispatch.wire.protocol import MSG_RESULT, MSG_STATES, Chunk, StageFailure
 from centralpipe.errors import WorkerError
 
 __all__ = ["POLL_S", "Policy", "Session"]

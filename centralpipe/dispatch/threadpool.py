@@ -9,10 +9,10 @@ import threading
 import types
 from typing import Any
 
-from centralpipe.dispatch import protocol
 from centralpipe.dispatch.budget import estimate_nbytes
 from centralpipe.dispatch.pool import ABANDON_ALL, Event, Executor, Slot
-from centralpipe.dispatch.protocol import (
+from centralpipe.dispatch.wire import protocol
+from centralpipe.dispatch.wire.protocol import (
     MSG_RESULT,
     MSG_STATES,
     STATUS_LEN,

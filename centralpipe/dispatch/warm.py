@@ -40,9 +40,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from centralpipe.dispatch.pool import Executor
-from centralpipe.dispatch.protocol import Chunk
 from centralpipe.dispatch.reorder import Driver
 from centralpipe.dispatch.sender import InlineDriver
+from centralpipe.dispatch.wire.protocol import Chunk
 
 if TYPE_CHECKING:
     from centralpipe.dispatch.boundary import Run

@@ -30,9 +30,9 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from centralpipe.dispatch import protocol
 from centralpipe.dispatch.chain import WorkerChain
-from centralpipe.dispatch.protocol import (
+from centralpipe.dispatch.wire import protocol
+from centralpipe.dispatch.wire.protocol import (
     MSG_CHUNK,
     MSG_RESULT,
     MSG_STATES,
@@ -40,7 +40,7 @@ from centralpipe.dispatch.protocol import (
     ChunkResult,
     StageFailure,
 )
-from centralpipe.dispatch.stash import RingWriter, receive_ring, stash
+from centralpipe.dispatch.wire.stash import RingWriter, receive_ring, stash
 
 __all__ = ["WorkerSpec", "serve", "worker_main"]
 #: How often a worker checks that the main process is still alive.

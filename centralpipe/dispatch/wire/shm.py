@@ -6,7 +6,7 @@ Each worker process has one *ring*: a block of anonymous shared memory
 main process creates for that worker and hands over on the worker's pipe
 (``socket.send_fds``) before anything else, plus a *release pipe* the other
 way. The worker writes the large out-of-band buffers of a message (tensor
-and array memory, see :mod:`centralpipe.dispatch.transport`) into free
+and array memory, see :mod:`centralpipe.dispatch.wire.transport`) into free
 space of the ring, then sends the message with each buffer's ring offset in
 its header in place of the bytes. The main process either *lends* the
 buffer, which then becomes the memory of the received tensor or array with
@@ -43,8 +43,8 @@ Why it is safe:
   most ``ROOM_WAIT_S`` and then sends the buffer on the pipe; with a full
   release pipe the main process keeps the releases and writes them later.
 
-The worker's side (:class:`~centralpipe.dispatch.stash.RingWriter`) is in
-:mod:`centralpipe.dispatch.stash`. Only public APIs: ``os.memfd_create``,
+The worker's side (:class:`~centralpipe.dispatch.wire.stash.RingWriter`) is in
+:mod:`centralpipe.dispatch.wire.stash`. Only public APIs: ``os.memfd_create``,
 ``mmap`` (``madvise``), ``socket.send_fds`` / ``recv_fds``, ``os.pipe``,
 ``weakref`` and numpy. Where
 ``memfd_create`` does not exist (not Linux), workers have no ring and every

@@ -2,7 +2,7 @@
 
 Every message between the main process and a worker, and every copy of items
 made for the worker stages, goes through the functions here; they are the
-only callers of :mod:`centralpipe.dispatch.transport` (serialisation and
+only callers of :mod:`centralpipe.dispatch.wire.transport` (serialisation and
 framing), so a different transport plugs in at one place.
 
 Messages (tuples, first element the kind):
@@ -14,7 +14,7 @@ Messages (tuples, first element the kind):
 - ``(MSG_STATES,)`` main → worker, answered by ``(MSG_STATES, states)``
 
 A chunk's items and a result's outputs travel *sealed*
-(:class:`~centralpipe.dispatch.transport.Sealed`): one that cannot be
+(:class:`~centralpipe.dispatch.wire.transport.Sealed`): one that cannot be
 unpickled on the other side arrives as an ``Undecodable`` inside an intact
 message, so the receiver still knows which chunk it was. Such a chunk is sent
 again ``per_item``: each item, and each input's outputs, sealed on its own, so
@@ -37,9 +37,9 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
-from centralpipe.dispatch import transport
-from centralpipe.dispatch.shm import Ring
-from centralpipe.dispatch.stash import RingWriter
+from centralpipe.dispatch.wire import transport
+from centralpipe.dispatch.wire.shm import Ring
+from centralpipe.dispatch.wire.stash import RingWriter
 
 __all__ = [
     "MSG_CHUNK",
@@ -261,7 +261,7 @@ def send_result(
 ) -> None:
     """Write a chunk's ``MSG_RESULT``: with no pickle when its outputs are
     all plain tensors or arrays already in ``ring`` (one per input, no
-    failure; see :mod:`~centralpipe.dispatch.plain`), else pickled with its
+    failure; see :mod:`~centralpipe.dispatch.wire.plain`), else pickled with its
     outputs sealed (raises whatever pickling raises)."""
     if ring is not None and not per_item and result.counts is None and not result.failures:
         prefix = _PLAIN_RESULT.pack(run_id, stream, cid, result.elapsed_s)
@@ -287,7 +287,7 @@ def _unplain(obj: Any) -> Any:
 def recv(conn: Connection, ring: Ring | None = None) -> Any:
     """Read one message written by :func:`send` / :func:`send_encoded` /
     :func:`send_result` (``ring``: the sender's shared-memory ring, see
-    :mod:`~centralpipe.dispatch.shm`)."""
+    :mod:`~centralpipe.dispatch.wire.shm`)."""
     return _unplain(transport.recv(conn, ring))
 
 

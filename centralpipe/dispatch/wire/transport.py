@@ -20,9 +20,9 @@ message's tensors and arrays use of it. So
 - large regions (and protocol-5 ``PickleBuffer``\\ s of other libraries) travel
   out of band: :func:`dumps` returns them as separate buffers (memoryviews of
   the original memory, no copy). :func:`write` given the sender's
-  shared-memory ring (:mod:`centralpipe.dispatch.shm`: a worker's results)
+  shared-memory ring (:mod:`centralpipe.dispatch.wire.shm`: a worker's results)
   copies those of 16 KiB and more into it, unless the worker already moved
-  them there as it made them (a :class:`~centralpipe.dispatch.stash.RingRef`
+  them there as it made them (a :class:`~centralpipe.dispatch.wire.stash.RingRef`
   stands for such an output), and puts only their ring offsets in the
   header; the others it writes with ``Connection.send_bytes``. :func:`recv`
   takes ring buffers as the ring lends them (no copy) or copies them out,
@@ -49,9 +49,9 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from centralpipe.dispatch import plain
-from centralpipe.dispatch.shm import Ring
-from centralpipe.dispatch.stash import Placed, RingRef, RingWriter, plain_cpu_tensor
+from centralpipe.dispatch.wire import plain
+from centralpipe.dispatch.wire.shm import Ring
+from centralpipe.dispatch.wire.stash import Placed, RingRef, RingWriter, plain_cpu_tensor
 
 try:
     import numpy as np
@@ -483,7 +483,7 @@ def dumps(obj: Any) -> Message:
 def dumps_plain(prefix: bytes, outputs: Any) -> Message | None:
     """A message of ``outputs`` with no pickle when they are all plain
     tensors or arrays already in the sender's ring (see
-    :mod:`centralpipe.dispatch.plain`), else ``None``. Sent by :func:`write`
+    :mod:`centralpipe.dispatch.wire.plain`), else ``None``. Sent by :func:`write`
     like any message; received as a :class:`Plain`."""
     described = plain.describe(outputs)
     if described is None:

@@ -2,9 +2,9 @@
 
 Most results of a data-loading pipeline are one tensor or array per item. A
 worker has already moved each of them into its shared-memory ring as it was
-made (:func:`centralpipe.dispatch.stash.stash`), so all that is left to send
+made (:func:`centralpipe.dispatch.wire.stash.stash`), so all that is left to send
 is, per item, where it is and what it looks like. When *every* output of a
-chunk is such a :class:`~centralpipe.dispatch.stash.RingRef` (a C-contiguous
+chunk is such a :class:`~centralpipe.dispatch.wire.stash.RingRef` (a C-contiguous
 CPU tensor or numpy array of a dtype listed below, sole owner of its
 memory), :func:`describe` turns them into a flat table of integers (kind,
 dtype code, writability, shape) and the list of their ring places; the main
@@ -16,7 +16,7 @@ What comes out is what the pickled path would give: same type, dtype, shape,
 C-contiguous strides, writability, each output on memory of its own. Any
 other result (a container, a view, a byte-swapped, structured or object
 dtype, a failure, an output that did not fit in the ring) takes the pickled
-path unchanged; see :mod:`centralpipe.dispatch.transport`, which frames both.
+path unchanged; see :mod:`centralpipe.dispatch.wire.transport`, which frames both.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from centralpipe.dispatch.stash import Placed, RingRef
+from centralpipe.dispatch.wire.stash import Placed, RingRef
 
 __all__ = ["NUMPY_CHARS", "TORCH_DTYPES", "describe", "rebuild"]
 

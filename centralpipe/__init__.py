@@ -6,7 +6,7 @@ checkpoints are exact and instant, state is queryable live, and output is the
 same for any number of workers.
 
 The public names are imported on first use (PEP 562): a worker process
-imports ``centralpipe.dispatch.worker`` without the builder, the central
+imports ``centralpipe.dispatch.worker.loop`` without the builder, the central
 stages or torch, which a worker needs only if its functions or items do
 (see :mod:`centralpipe.dispatch.preload`).
 """

@@ -31,6 +31,7 @@ MOVED: dict[str, str] = {
     "centralpipe.dispatch.plain": "centralpipe.dispatch.wire.plain",
     "centralpipe.dispatch.shm": "centralpipe.dispatch.wire.shm",
     "centralpipe.dispatch.stash": "centralpipe.dispatch.wire.stash",
+    "centralpipe.dispatch.chain": "centralpipe.dispatch.worker.chain",
 }
 
 #: Documented path -> the module's home; not deprecated.

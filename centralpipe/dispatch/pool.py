@@ -23,7 +23,7 @@ from centralpipe.dispatch.wire.protocol import (
     Encoded,
     read_status,
 )
-from centralpipe.dispatch.worker import WorkerSpec
+from centralpipe.dispatch.worker.loop import WorkerSpec
 
 __all__ = ["ABANDON_ALL", "Event", "Executor", "Slot", "describe_exit"]
 
@@ -88,7 +88,7 @@ class Event(NamedTuple):
 
 
 class Executor(abc.ABC):
-    """``num_workers`` workers running :func:`~centralpipe.dispatch.worker.serve`."""
+    """``num_workers`` workers running :func:`~centralpipe.dispatch.worker.loop.serve`."""
 
     kind = ""
     #: Whether a hung worker can be killed and replaced.

@@ -1,6 +1,6 @@
 """What the forkserver imports before it forks a worker: only what workers need.
 
-The worker loop (:mod:`centralpipe.dispatch.worker`) imports neither torch
+The worker loop (:mod:`centralpipe.dispatch.worker.loop`) imports neither torch
 nor the builder nor the central stages, so a server that preloads only it is
 ready in about a tenth of a second, and so are the workers it forks. torch
 costs about a second of CPU to import (more on a loaded machine): the server
@@ -37,7 +37,7 @@ from centralpipe.startup import referenced_modules
 __all__ = ["TORCH", "WORKER_MODULE", "needs_torch", "server_preload"]
 
 #: The worker loop: what every worker runs, torch-free.
-WORKER_MODULE = "centralpipe.dispatch.worker"
+WORKER_MODULE = "centralpipe.dispatch.worker.loop"
 TORCH = "torch"
 #: Modules looked at before giving up (and preloading only the worker loop).
 _MAX_MODULES = 400

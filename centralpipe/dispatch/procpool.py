@@ -20,7 +20,7 @@ from centralpipe.dispatch.wire.protocol import (
     STATUS_LEN,
     Encoded,
 )
-from centralpipe.dispatch.worker import WorkerSpec, worker_main
+from centralpipe.dispatch.worker.loop import WorkerSpec, worker_main
 
 __all__ = ["FORKSERVER_PRELOAD", "SOCKET_BUFFER_BYTES", "ProcessPool", "warm_up"]
 
@@ -32,7 +32,7 @@ SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 #: otherwise: the worker loop (torch-free; see dispatch.preload). The user's
 #: stage functions are imported by each worker; their modules may not be
 #: importable by the server.
-FORKSERVER_PRELOAD = ["centralpipe.dispatch.worker"]
+FORKSERVER_PRELOAD = ["centralpipe.dispatch.worker.loop"]
 
 
 def warm_up(start_method: str, preload: Sequence[str] = FORKSERVER_PRELOAD) -> None:

@@ -18,7 +18,7 @@ from centralpipe.dispatch.wire.protocol import (
     STATUS_LEN,
     Encoded,
 )
-from centralpipe.dispatch.worker import WorkerSpec, serve
+from centralpipe.dispatch.worker.loop import WorkerSpec, serve
 
 __all__ = ["ThreadPool"]
 

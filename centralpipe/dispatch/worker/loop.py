@@ -30,7 +30,6 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from centralpipe.dispatch.chain import WorkerChain
 from centralpipe.dispatch.wire import protocol
 from centralpipe.dispatch.wire.protocol import (
     MSG_CHUNK,
@@ -41,6 +40,7 @@ from centralpipe.dispatch.wire.protocol import (
     StageFailure,
 )
 from centralpipe.dispatch.wire.stash import RingWriter, receive_ring, stash
+from centralpipe.dispatch.worker.chain import WorkerChain
 
 __all__ = ["WorkerSpec", "serve", "worker_main"]
 #: How often a worker checks that the main process is still alive.

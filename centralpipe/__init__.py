@@ -8,7 +8,7 @@ same for any number of workers.
 The public names are imported on first use (PEP 562): a worker process
 imports ``centralpipe.dispatch.worker.loop`` without the builder, the central
 stages or torch, which a worker needs only if its functions or items do
-(see :mod:`centralpipe.dispatch.preload`).
+(see :mod:`centralpipe.dispatch.executors.preload`).
 """
 
 from __future__ import annotations

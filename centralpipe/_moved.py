@@ -32,6 +32,11 @@ MOVED: dict[str, str] = {
     "centralpipe.dispatch.shm": "centralpipe.dispatch.wire.shm",
     "centralpipe.dispatch.stash": "centralpipe.dispatch.wire.stash",
     "centralpipe.dispatch.chain": "centralpipe.dispatch.worker.chain",
+    "centralpipe.dispatch.pool": "centralpipe.dispatch.executors.pool",
+    "centralpipe.dispatch.procpool": "centralpipe.dispatch.executors.procpool",
+    "centralpipe.dispatch.threadpool": "centralpipe.dispatch.executors.threadpool",
+    "centralpipe.dispatch.starter": "centralpipe.dispatch.executors.starter",
+    "centralpipe.dispatch.preload": "centralpipe.dispatch.executors.preload",
 }
 
 #: Documented path -> the module's home; not deprecated.

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 import centralpipe as cp
 from centralpipe.bench_workloads import Workload
-from centralpipe.dispatch import procpool
+from centralpipe.dispatch.executors import procpool
 
 __all__ = [
     "PEER_START_METHOD",

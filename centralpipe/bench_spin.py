@@ -3,7 +3,7 @@
 It lives apart from :mod:`centralpipe.bench_workloads`, in a module that does
 not import torch, as a pure-Python user function would: workers that run it
 need no torch, and the forkserver does not preload it
-(:mod:`centralpipe.dispatch.preload`).
+(:mod:`centralpipe.dispatch.executors.preload`).
 """
 
 from __future__ import annotations

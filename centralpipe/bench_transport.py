@@ -72,7 +72,7 @@ import centralpipe as cp
 def main():
     method, gap, where = sys.argv[1], float(sys.argv[2]), sys.argv[3]
     if sys.argv[4] == "light":
-        from centralpipe.dispatch import preload
+        from centralpipe.dispatch.executors import preload
 
         preload.needs_torch = lambda specs: False
     inline = sys.argv[4] != "wait"

@@ -14,7 +14,7 @@ import pytest
 
 import centralpipe as cp
 from centralpipe.dispatch import sender
-from centralpipe.dispatch.procpool import ProcessPool
+from centralpipe.dispatch.executors.procpool import ProcessPool
 from centralpipe.dispatch.reorder import Stream
 from centralpipe.dispatch.wire import protocol
 from centralpipe.dispatch.wire.protocol import (

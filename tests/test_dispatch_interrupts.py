@@ -32,7 +32,7 @@ import centralpipe as cp
 from centralpipe import faults
 from centralpipe.dispatch import sender
 from centralpipe.dispatch.budget import ResultBytes
-from centralpipe.dispatch.procpool import ProcessPool
+from centralpipe.dispatch.executors.procpool import ProcessPool
 from centralpipe.dispatch.reorder import Stream
 from centralpipe.dispatch.wire import protocol, shm
 from centralpipe.dispatch.worker.chain import WorkerChain

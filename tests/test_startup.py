@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import centralpipe as cp
-from centralpipe.dispatch.preload import TORCH, WORKER_MODULE, needs_torch, server_preload
+from centralpipe.dispatch.executors.preload import TORCH, WORKER_MODULE, needs_torch, server_preload
 from tests import startup_fns, startup_indirect_fns, startup_torch_fns
 
 ROOT = str(Path(__file__).parent.parent)

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 import centralpipe as cp
-from centralpipe.dispatch.procpool import ProcessPool
+from centralpipe.dispatch.executors.procpool import ProcessPool
 from centralpipe.dispatch.worker.chain import WorkerChain
 from centralpipe.errors import ConfigError, WorkerError
 from centralpipe.testing import collect

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from centralpipe.dispatch.pool import Executor
+from centralpipe.dispatch.executors.pool import Executor
 from centralpipe.dispatch.reorder import Driver, Stamper, Stream, StreamStats
 from centralpipe.dispatch.sender import FeederDriver, InlineDriver, SegmentDriver
 from centralpipe.dispatch.supervisor import Policy, Session

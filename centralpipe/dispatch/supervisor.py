@@ -1,7 +1,7 @@
 """Supervision: receiving results, deaths, hangs, poison items and restarts.
 
 A :class:`Session` is one run's use of the executor (see
-:mod:`centralpipe.dispatch.pool`) by every ordered stream of that run (each
+:mod:`centralpipe.dispatch.executors.pool`) by every ordered stream of that run (each
 parallel central stage, then the dispatch boundary). Its *supervisor thread*
 is the only reader of the workers' results: it puts each result on its chunk
 (never taking a stream's lock), watches worker deaths and per-item deadlines,
@@ -23,9 +23,9 @@ from collections.abc import Callable
 from typing import Any
 
 from centralpipe.dispatch.budget import ResultBytes
+from centralpipe.dispatch.executors.pool import Executor, Slot
+from centralpipe.dispatch.executors.procpool import ProcessPool
 from centralpipe.dispatch.guard import join_started
-from centralpipe.dispatch.pool import Executor, Slot
-from centralpipe.dispatch.procpool import ProcessPool
 from centralpipe.dispatch.reorder import Stream, StreamStats, logger
 from centralpipe.dispatch.wire import protocol
 from centralpipe.dispatch.wire.protocol import MSG_RESULT, MSG_STATES, Chunk, StageFailure

@@ -1,7 +1,7 @@
 """Inline warm start: the main process runs the first chunks while the workers start.
 
 A ``forkserver`` or ``spawn`` pool starts in the background when the Loader
-is created (:mod:`centralpipe.dispatch.starter`), but its workers may need a
+is created (:mod:`centralpipe.dispatch.executors.starter`), but its workers may need a
 second or more (a forkserver importing torch, each spawned worker importing
 it). A pass that begins before they are ready does not wait for them: a
 :class:`WarmDriver` runs the dispatch stream exactly as ``num_workers=0``
@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from centralpipe.dispatch.pool import Executor
+from centralpipe.dispatch.executors.pool import Executor
 from centralpipe.dispatch.reorder import Driver
 from centralpipe.dispatch.sender import InlineDriver
 from centralpipe.dispatch.wire.protocol import Chunk

@@ -309,7 +309,7 @@ def _reduce_memoryview(m: memoryview) -> Any:
 def _tensor_class() -> Any:
     """``torch.Tensor``, or ``None`` while torch is not imported: then no
     object can be a tensor, and a worker whose functions and items use no
-    torch never imports it (see :mod:`centralpipe.dispatch.preload`)."""
+    torch never imports it (see :mod:`centralpipe.dispatch.executors.preload`)."""
     torch = sys.modules.get("torch")
     return None if torch is None else torch.Tensor
 

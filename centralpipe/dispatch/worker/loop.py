@@ -3,7 +3,7 @@
 Workers are stateless: a chunk's result depends only on its items, the seed,
 the epoch and the items' ``seq``. The same loop (:func:`serve`) runs in a
 worker process (:func:`worker_main`, over a pipe) and in a worker thread
-(over queues, see :mod:`centralpipe.dispatch.threadpool`). A worker process exits
+(over queues, see :mod:`centralpipe.dispatch.executors.threadpool`). A worker process exits
 when its pipe closes (the main process closed it, or died). Should it be busy in user code when the
 main process dies, two more guards end it within about a second:
 
@@ -199,7 +199,7 @@ def worker_main(
 class TorchThreads:
     """Limits torch's intra-op threads in a worker to ``n`` once torch is
     imported. A worker imports torch only if its functions or items need it
-    (the server preloads it only then, see :mod:`centralpipe.dispatch.preload`),
+    (the server preloads it only then, see :mod:`centralpipe.dispatch.executors.preload`),
     so the limit is applied when torch first shows up: at start, or after the
     message or chunk that imported it."""
 

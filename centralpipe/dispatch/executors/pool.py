@@ -6,8 +6,8 @@ and a shared status array (see :mod:`centralpipe.dispatch.wire.protocol`). The
 supervisor talks to both kinds through the same few calls: ``send`` (blocking,
 by the sending thread only), ``wait`` (by the supervisor thread only),
 ``replace``, ``kill`` and ``close``. This module holds what both share; the
-two kinds live in :mod:`centralpipe.dispatch.procpool` (processes) and
-:mod:`centralpipe.dispatch.threadpool` (threads).
+two kinds live in :mod:`centralpipe.dispatch.executors.procpool` (processes) and
+:mod:`centralpipe.dispatch.executors.threadpool` (threads).
 """
 
 import abc

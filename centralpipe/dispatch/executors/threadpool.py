@@ -10,7 +10,7 @@ import types
 from typing import Any
 
 from centralpipe.dispatch.budget import estimate_nbytes
-from centralpipe.dispatch.pool import ABANDON_ALL, Event, Executor, Slot
+from centralpipe.dispatch.executors.pool import ABANDON_ALL, Event, Executor, Slot
 from centralpipe.dispatch.wire import protocol
 from centralpipe.dispatch.wire.protocol import (
     MSG_RESULT,

@@ -1,7 +1,7 @@
 """Starting the worker processes in the background, when the Loader is created.
 
 With ``forkserver`` a worker's start waits for the server to be ready (it
-imports what :mod:`centralpipe.dispatch.preload` chose) and with ``spawn``
+imports what :mod:`centralpipe.dispatch.executors.preload` chose) and with ``spawn``
 each worker boots a fresh interpreter: either takes from a tenth of a second
 to a few seconds. A :class:`BackgroundStart` runs ``Executor.start`` in a
 ``centralpipe-starter`` thread as soon as the Loader exists, so the workers
@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 from multiprocessing.connection import wait
 
-from centralpipe.dispatch.pool import Executor, Slot
+from centralpipe.dispatch.executors.pool import Executor, Slot
 
 __all__ = ["BACKGROUND_METHODS", "BackgroundStart"]
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from centralpipe.dispatch.pool import ABANDON_ALL, Event, Executor, Slot, describe_exit
+from centralpipe.dispatch.executors.pool import ABANDON_ALL, Event, Executor, Slot, describe_exit
 from centralpipe.dispatch.wire import protocol, shm
 from centralpipe.dispatch.wire.protocol import (
     STATUS_LEN,

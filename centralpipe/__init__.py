@@ -33,7 +33,7 @@ if TYPE_CHECKING:
         WorkerError,
     )
     from centralpipe.loader import Loader
-    from centralpipe.pipeline import Pipeline
+    from centralpipe.plan.pipeline import Pipeline
     from centralpipe.progress import progress
     from centralpipe.stages.totals import Total
 
@@ -64,7 +64,7 @@ _HOMES = {
     "DistributedConfig": "centralpipe.config",
     "Loader": "centralpipe.loader",
     "LoaderConfig": "centralpipe.config",
-    "Pipeline": "centralpipe.pipeline",
+    "Pipeline": "centralpipe.plan.pipeline",
     "PipelineError": "centralpipe.errors",
     "Total": "centralpipe.stages.totals",
     "WorkerConfig": "centralpipe.config",

@@ -37,6 +37,8 @@ MOVED: dict[str, str] = {
     "centralpipe.dispatch.threadpool": "centralpipe.dispatch.executors.threadpool",
     "centralpipe.dispatch.starter": "centralpipe.dispatch.executors.starter",
     "centralpipe.dispatch.preload": "centralpipe.dispatch.executors.preload",
+    "centralpipe.pipeline": "centralpipe.plan.pipeline",
+    "centralpipe.specs": "centralpipe.plan.specs",
 }
 
 #: Documented path -> the module's home; not deprecated.

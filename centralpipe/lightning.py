@@ -43,7 +43,7 @@ from centralpipe.config import DistributedConfig, LoaderConfig
 from centralpipe.elastic import merge_states
 from centralpipe.errors import CheckpointError, ConfigError, PipelineError
 from centralpipe.loader import Loader
-from centralpipe.pipeline import Pipeline
+from centralpipe.plan.pipeline import Pipeline
 
 try:
     import pytorch_lightning as _pl

@@ -31,7 +31,7 @@ from centralpipe.dispatch.worker.loop import WorkerSpec
 from centralpipe.errors import PipelineError
 from centralpipe.launchers import warn_if_duplicating
 from centralpipe.lifetime import Resources
-from centralpipe.pipeline import Pipeline
+from centralpipe.plan.pipeline import Pipeline
 from centralpipe.stages import (
     Count,
     Parallel,

@@ -17,7 +17,7 @@ from centralpipe import checkpoint
 from centralpipe.checkpoint import FORMAT_VERSION
 from centralpipe.dispatch.boundary import StreamPlan, empty_segment_entry
 from centralpipe.dispatch.wire.protocol import InFlight
-from centralpipe.pipeline import WORKER_KINDS, Pipeline
+from centralpipe.plan.pipeline import WORKER_KINDS, Pipeline
 from centralpipe.stages import CentralNode, Parallel, RunContext, Shard
 from centralpipe.stages.totals import chain_totals
 

@@ -22,7 +22,7 @@ import torch
 
 from centralpipe.config import LoaderConfig
 from centralpipe.loader import Loader
-from centralpipe.pipeline import Pipeline
+from centralpipe.plan.pipeline import Pipeline
 
 __all__ = ["assert_resumes_exactly", "collect"]
 

@@ -119,7 +119,7 @@ def test_worker_loop_imports_no_torch() -> None:
     (the public names load on first use)."""
     code = (
         f"import sys; sys.path.insert(0, {ROOT!r}); import centralpipe, {WORKER_MODULE}, "
-        "centralpipe.specs; print('torch' in sys.modules); centralpipe.Loader; "
+        "centralpipe.plan.specs; print('torch' in sys.modules); centralpipe.Loader; "
         "print('torch' in sys.modules)"
     )
     done = subprocess.run(

@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 from torchdata.nodes import BaseNode
 
-from centralpipe.pipeline import StageSpec
+from centralpipe.plan.pipeline import StageSpec
 from centralpipe.stages.base import HELD, CentralNode, RunContext, Total
 from centralpipe.validators import NUMBER, FieldError, checked, int_in
 

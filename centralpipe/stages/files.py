@@ -24,7 +24,7 @@ from attrs import validators as v
 from torchdata.nodes import BaseNode
 
 from centralpipe.errors import CheckpointError
-from centralpipe.pipeline import StageSpec
+from centralpipe.plan.pipeline import StageSpec
 from centralpipe.stages.base import CentralNode, RunContext
 from centralpipe.stages.sources import FilesSource
 from centralpipe.validators import FieldError, checked, int_in

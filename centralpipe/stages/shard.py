@@ -39,7 +39,7 @@ import attrs
 from attrs import validators as v
 from torchdata.nodes import BaseNode
 
-from centralpipe.pipeline import StageSpec
+from centralpipe.plan.pipeline import StageSpec
 from centralpipe.stages.base import CentralNode, RunContext, Total
 from centralpipe.stages.count import Count
 from centralpipe.validators import FieldError, checked, int_in, sequence_of

@@ -21,8 +21,8 @@ from centralpipe.dispatch.wire.protocol import (
     status_idle,
     status_stage,
 )
+from centralpipe.plan.specs import WORKER_KINDS, StageSpec
 from centralpipe.seeding import derive_seed
-from centralpipe.specs import WORKER_KINDS, StageSpec
 
 __all__ = ["WorkerChain", "is_stateful"]
 

@@ -1,5 +1,5 @@
 """What a pipeline is made of: stage specs, worker stage kinds, and the
-argument checks the builder (:mod:`centralpipe.pipeline`) shares, including
+argument checks the builder (:mod:`centralpipe.plan.pipeline`) shares, including
 the checks of each source's arguments (``Pipeline.from_*``).
 
 A :class:`StageSpec` is frozen: kind, name, placement, function and options.

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from torchdata.nodes import BaseNode
 
 from centralpipe.errors import PipelineError
-from centralpipe.specs import (
+from centralpipe.plan.specs import (
     EQUALIZE,
     WORKER_KINDS,
     Placement,

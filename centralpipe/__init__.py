@@ -22,9 +22,9 @@ from centralpipe import _moved
 
 if TYPE_CHECKING:
     from centralpipe import packing as packing
+    from centralpipe.checkpoint.elastic import merge_states
+    from centralpipe.checkpoint.gather import gather_states
     from centralpipe.config import DistributedConfig, LoaderConfig, WorkerConfig
-    from centralpipe.distributed import gather_states
-    from centralpipe.elastic import merge_states
     from centralpipe.errors import (
         CentralpipeError,
         CheckpointError,
@@ -69,8 +69,8 @@ _HOMES = {
     "Total": "centralpipe.stages.totals",
     "WorkerConfig": "centralpipe.config",
     "WorkerError": "centralpipe.errors",
-    "gather_states": "centralpipe.distributed",
-    "merge_states": "centralpipe.elastic",
+    "gather_states": "centralpipe.checkpoint.gather",
+    "merge_states": "centralpipe.checkpoint.elastic",
     "packing": "centralpipe.packing",
     "progress": "centralpipe.progress",
 }

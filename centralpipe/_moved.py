@@ -39,6 +39,9 @@ MOVED: dict[str, str] = {
     "centralpipe.dispatch.preload": "centralpipe.dispatch.executors.preload",
     "centralpipe.pipeline": "centralpipe.plan.pipeline",
     "centralpipe.specs": "centralpipe.plan.specs",
+    "centralpipe.checkpoint_fit": "centralpipe.checkpoint.fit",
+    "centralpipe.elastic": "centralpipe.checkpoint.elastic",
+    "centralpipe.distributed": "centralpipe.checkpoint.gather",
 }
 
 #: Documented path -> the module's home; not deprecated.

@@ -39,8 +39,8 @@ from typing import Any, Generic, TypeVar
 
 import attrs
 
+from centralpipe.checkpoint.elastic import merge_states
 from centralpipe.config import DistributedConfig, LoaderConfig
-from centralpipe.elastic import merge_states
 from centralpipe.errors import CheckpointError, ConfigError, PipelineError
 from centralpipe.loader import Loader
 from centralpipe.plan.pipeline import Pipeline

@@ -7,7 +7,7 @@ rank); ``"pad"`` completes that last round by reusing its items cyclically, so
 nothing is dropped. ``index`` — the stream position of the next item — is
 recorded in every checkpoint.
 
-Elastic resume (:mod:`centralpipe.elastic`) needs three more things, all empty
+Elastic resume (:mod:`centralpipe.checkpoint.elastic`) needs three more things, all empty
 in a run that started at the beginning of an epoch:
 
 - ``base``: the position where this world size's sharding started (rounds and

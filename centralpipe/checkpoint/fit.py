@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from centralpipe.checkpoint import Boundary, Checkpoint, _got, structure_state
+from centralpipe.checkpoint.model import Boundary, Checkpoint, _got, structure_state
 from centralpipe.errors import CheckpointError
 from centralpipe.validators import FieldError
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from centralpipe.elastic import merge_states
+from centralpipe.checkpoint.elastic import merge_states
 from centralpipe.errors import CheckpointError
 
 __all__ = ["gather_states"]

@@ -26,7 +26,7 @@ boundary, the inputs sent on but not delivered, which a resume sends first.
 it from a wire dict with cattrs, checking every type and range (errors name the
 key path, what was expected and what was got). Each stage kind declares its own
 state class (``CentralNode.State``); :func:`check_pipeline` (in
-:mod:`centralpipe.checkpoint_fit`) then checks the checkpoint against the
+:mod:`centralpipe.checkpoint.fit`) then checks the checkpoint against the
 pipeline it is loaded into. ``Loader.state_dict()``
 writes the wire dict directly (it is taken every few steps and must stay
 cheap); a test pins that it always structures into this model.
@@ -51,7 +51,6 @@ __all__ = [
     "Checkpoint",
     "Distributed",
     "Position",
-    "rank_mismatch",
     "structure",
     "structure_state",
     "unstructure",
@@ -312,10 +311,3 @@ def structure_state(state: Any, cls: type[T], stage: str) -> T:
 def unstructure(obj: Any) -> Any:
     """The wire form (plain dicts) of a model object."""
     return _CONVERTER.unstructure(obj)
-
-
-# The checks against a pipeline live in their own module; they are part of this
-# module's interface (``checkpoint.check_pipeline``) and need the model above.
-from centralpipe.checkpoint_fit import Expected as Expected  # noqa: E402
-from centralpipe.checkpoint_fit import check_pipeline as check_pipeline  # noqa: E402
-from centralpipe.checkpoint_fit import rank_mismatch as rank_mismatch  # noqa: E402

@@ -14,8 +14,6 @@ stages or torch, which a worker needs only if its functions or items do
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 from centralpipe import _moved
@@ -32,9 +30,9 @@ if TYPE_CHECKING:
         PipelineError,
         WorkerError,
     )
+    from centralpipe.integrations.progress import progress
     from centralpipe.loader import Loader
     from centralpipe.plan.pipeline import Pipeline
-    from centralpipe.progress import progress
     from centralpipe.stages.totals import Total
 
 __all__ = [
@@ -72,7 +70,7 @@ _HOMES = {
     "gather_states": "centralpipe.checkpoint.gather",
     "merge_states": "centralpipe.checkpoint.elastic",
     "packing": "centralpipe.packing",
-    "progress": "centralpipe.progress",
+    "progress": "centralpipe.integrations.progress",
 }
 
 
@@ -89,23 +87,6 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted({*globals(), *_HOMES})
 
-
-#: Public functions named like the submodule they live in.
-_NAMED_LIKE_THEIR_MODULE = frozenset({"progress"})
-
-
-class _Package(types.ModuleType):
-    """The package's module type: importing the submodule ``progress`` (which
-    sets it on the package as an attribute) never hides the public function
-    ``progress``; it is then read through :func:`__getattr__`."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _NAMED_LIKE_THEIR_MODULE and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 # Old module paths import their module from its new path (:mod:`centralpipe._moved`).
 _moved.install()

@@ -45,7 +45,9 @@ MOVED: dict[str, str] = {
 }
 
 #: Documented path -> the module's home; not deprecated.
-PUBLIC: dict[str, str] = {}
+PUBLIC: dict[str, str] = {
+    "centralpipe.lightning": "centralpipe.integrations.lightning",
+}
 
 
 class MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -167,7 +167,7 @@ def test_progress_stays_the_function_after_its_module_is_imported() -> None:
     is imported (the public names load lazily)."""
     import importlib
 
-    module = importlib.import_module("centralpipe.progress")
+    module = importlib.import_module("centralpipe.integrations.progress")
     assert cp.progress is module.progress and callable(cp.progress)
     namespace: dict[str, object] = {}
     exec("from centralpipe import progress", namespace)

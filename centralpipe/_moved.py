@@ -42,6 +42,7 @@ MOVED: dict[str, str] = {
     "centralpipe.checkpoint_fit": "centralpipe.checkpoint.fit",
     "centralpipe.elastic": "centralpipe.checkpoint.elastic",
     "centralpipe.distributed": "centralpipe.checkpoint.gather",
+    "centralpipe.faults": "centralpipe.testing.faults",
 }
 
 #: Documented path -> the module's home; not deprecated.

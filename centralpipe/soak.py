@@ -7,7 +7,7 @@ in bytes) and chunk size, kills workers from outside and from inside
 worker stages, makes worker stages raise (skipped with ``on_error="skip"``),
 checkpoints at random points, closes loaders mid-epoch and resumes in fresh
 ones with another worker count. On top of that, seeded from ``--seed``
-(:mod:`centralpipe.faults`):
+(:mod:`centralpipe.testing.faults`):
 
 - ``KeyboardInterrupt`` lands at a random point inside ``next()`` (often the
   first, which starts the workers), ``state_dict()`` and ``close()``. After
@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import centralpipe as cp
-from centralpipe import faults
+from centralpipe.testing import faults
 
 __all__ = ["main"]
 

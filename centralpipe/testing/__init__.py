@@ -9,6 +9,10 @@ duplicates, same order. Use it in your own tests for your own pipelines::
 
     def test_my_pipeline_resumes():
         assert_resumes_exactly(build_my_pipeline(), ks=[0, 10, 1000])
+
+:mod:`centralpipe.testing.faults` is the deterministic fault injection the
+soak and the interrupt tests use (interrupts inside a call, damaged
+checkpoints).
 """
 
 from __future__ import annotations

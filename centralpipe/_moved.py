@@ -43,6 +43,17 @@ MOVED: dict[str, str] = {
     "centralpipe.elastic": "centralpipe.checkpoint.elastic",
     "centralpipe.distributed": "centralpipe.checkpoint.gather",
     "centralpipe.faults": "centralpipe.testing.faults",
+    "centralpipe.bench": "centralpipe.tools.bench",
+    "centralpipe.bench_contenders": "centralpipe.tools.bench_contenders",
+    "centralpipe.bench_limit": "centralpipe.tools.bench_limit",
+    "centralpipe.bench_report": "centralpipe.tools.bench_report",
+    "centralpipe.bench_seed": "centralpipe.tools.bench_seed",
+    "centralpipe.bench_spin": "centralpipe.tools.bench_spin",
+    "centralpipe.bench_stages": "centralpipe.tools.bench_stages",
+    "centralpipe.bench_state": "centralpipe.tools.bench_state",
+    "centralpipe.bench_transport": "centralpipe.tools.bench_transport",
+    "centralpipe.bench_workloads": "centralpipe.tools.bench_workloads",
+    "centralpipe.soak": "centralpipe.tools.soak",
 }
 
 #: Documented path -> the module's home; not deprecated.

@@ -1,6 +1,6 @@
 """The results of ``python -m centralpipe bench`` and its markdown report.
 
-:class:`Results` holds what a run of :mod:`centralpipe.bench` measured;
+:class:`Results` holds what a run of :mod:`centralpipe.tools.bench` measured;
 :func:`report` renders it: the machine and start methods, the throughput
 table (items/s and ratios to ``serial`` and the peers), the transport table,
 each other section's lines, and whether each target was met.
@@ -18,8 +18,8 @@ import torch
 import torchdata
 
 import centralpipe as cp
-from centralpipe import bench_seed, bench_stages, bench_state, bench_transport
-from centralpipe.bench_contenders import STOCK_SOCKET_BUFFER_BYTES, Timing
+from centralpipe.tools import bench_seed, bench_stages, bench_state, bench_transport
+from centralpipe.tools.bench_contenders import STOCK_SOCKET_BUFFER_BYTES, Timing
 
 __all__ = ["CAPPED", "LIMIT", "NOISY_SHARE", "Results", "report"]
 

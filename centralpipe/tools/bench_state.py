@@ -19,8 +19,8 @@ from itertools import islice
 from typing import Any
 
 import centralpipe as cp
-from centralpipe.bench_contenders import Timing, settle
-from centralpipe.bench_workloads import inc, token_len
+from centralpipe.tools.bench_contenders import Timing, settle
+from centralpipe.tools.bench_workloads import inc, token_len
 
 __all__ = ["STATE_WORKERS", "StateRun", "measure", "report_lines", "targets"]
 

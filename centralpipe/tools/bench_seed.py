@@ -266,7 +266,7 @@ class BucketNode(tn.BaseNode[list[list[int]]]):
 
 
 def run_nodes(lines: list[str], tok: Callable[[str], list[int]]) -> Run:
-    from centralpipe.bench_contenders import shutdown_nodes as _shutdown_nodes
+    from centralpipe.tools.bench_contenders import shutdown_nodes as _shutdown_nodes
 
     mapped = tn.ParallelMapper(
         tn.IterableWrapper(lines),

@@ -4,22 +4,22 @@ One process runs every contender on the same workloads, one after another, and
 prints a markdown report:
 
 - **throughput** of centralpipe, torch's ``DataLoader`` and
-  ``torchdata.nodes.ParallelMapper`` (:mod:`centralpipe.bench_contenders`)
+  ``torchdata.nodes.ParallelMapper`` (:mod:`centralpipe.tools.bench_contenders`)
   with 1, 2, 4 workers, against a plain loop in the main process
-  (``serial``), on the workloads of :mod:`centralpipe.bench_workloads`.
+  (``serial``), on the workloads of :mod:`centralpipe.tools.bench_workloads`.
   Items/s cover a whole epoch, from creating the loader to its last item,
   worker start-up included; the time to the first item is reported beside it.
 - **transport**: for the tensor and array workloads, centralpipe again with its
   worker pipes' socket buffers capped at a stock kernel's 212,992 bytes, and
   the share of result bytes that came through shared memory.
 - a **cold epoch** of ``cpu``: a fresh process's first Loader, start-up included
-  (:mod:`centralpipe.bench_transport`);
-- **state_dict()** latency (:mod:`centralpipe.bench_state`), the central
-  stages' cost (:mod:`centralpipe.bench_stages`), first-item latency
-  (:mod:`centralpipe.bench_transport`) and the ``seed`` workload
-  (:mod:`centralpipe.bench_seed`).
+  (:mod:`centralpipe.tools.bench_transport`);
+- **state_dict()** latency (:mod:`centralpipe.tools.bench_state`), the central
+  stages' cost (:mod:`centralpipe.tools.bench_stages`), first-item latency
+  (:mod:`centralpipe.tools.bench_transport`) and the ``seed`` workload
+  (:mod:`centralpipe.tools.bench_seed`).
 
-The report is rendered by :mod:`centralpipe.bench_report`. Sizes suit a
+The report is rendered by :mod:`centralpipe.tools.bench_report`. Sizes suit a
 2-core machine; ``--quick`` divides them by ten.
 """
 
@@ -35,7 +35,8 @@ from collections.abc import Sequence
 import torch
 
 import centralpipe as cp
-from centralpipe import (
+from centralpipe.config import START_METHODS
+from centralpipe.tools import (
     bench_limit,
     bench_seed,
     bench_stages,
@@ -43,7 +44,7 @@ from centralpipe import (
     bench_transport,
     bench_workloads,
 )
-from centralpipe.bench_contenders import (
+from centralpipe.tools.bench_contenders import (
     PEER_START_METHOD,
     STOCK_SOCKET_BUFFER_BYTES,
     Timing,
@@ -54,9 +55,8 @@ from centralpipe.bench_contenders import (
     run_serial,
     settle,
 )
-from centralpipe.bench_report import CAPPED, LIMIT, NOISY_SHARE, Results, report
-from centralpipe.bench_workloads import Workload, calibrate_spin, full_array, full_tensor, inc
-from centralpipe.config import START_METHODS
+from centralpipe.tools.bench_report import CAPPED, LIMIT, NOISY_SHARE, Results, report
+from centralpipe.tools.bench_workloads import Workload, calibrate_spin, full_array, full_tensor, inc
 
 __all__ = ["add_arguments", "full_array", "full_tensor", "inc", "main", "run"]
 

@@ -16,7 +16,7 @@ import torch
 
 # Re-exported: the cpu workload's function lives in a torch-free module, as a
 # pure-Python user function would (dispatch.preload reads what workers import).
-from centralpipe.bench_spin import CPU_ITEM_S, Spin, calibrate_spin, time_call
+from centralpipe.tools.bench_spin import CPU_ITEM_S, Spin, calibrate_spin, time_call
 
 __all__ = [
     "CPU_ITEM_S",

@@ -1,6 +1,6 @@
 """The ``cpu`` workload's function: pure-Python integer arithmetic.
 
-It lives apart from :mod:`centralpipe.bench_workloads`, in a module that does
+It lives apart from :mod:`centralpipe.tools.bench_workloads`, in a module that does
 not import torch, as a pure-Python user function would: workers that run it
 need no torch, and the forkserver does not preload it
 (:mod:`centralpipe.dispatch.executors.preload`).

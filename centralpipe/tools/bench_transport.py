@@ -42,9 +42,9 @@ GAPS_S = (0.0, 1.5)
 #: worker imports it), the other option measured.
 FUNCTIONS = {
     "no torch": "builtins:abs",
-    "torch module": "centralpipe.bench_workloads:inc",
-    "torch module, server without torch": "centralpipe.bench_workloads:inc",
-    "torch module, start_inline=False": "centralpipe.bench_workloads:inc",
+    "torch module": "centralpipe.tools.bench_workloads:inc",
+    "torch module, server without torch": "centralpipe.tools.bench_workloads:inc",
+    "torch module, start_inline=False": "centralpipe.tools.bench_workloads:inc",
 }
 #: The option that keeps torch out of the forkserver.
 NO_TORCH_IN_SERVER = "torch module, server without torch"
@@ -101,8 +101,8 @@ if __name__ == "__main__":
 _COLD_CHILD = """
 import sys, time
 import centralpipe as cp
-from centralpipe.bench_spin import Spin
-from centralpipe.bench_workloads import SpinBesideTorch
+from centralpipe.tools.bench_spin import Spin
+from centralpipe.tools.bench_workloads import SpinBesideTorch
 
 
 def main():

@@ -20,8 +20,8 @@ import torchdata.nodes as tn
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 import centralpipe as cp
-from centralpipe.bench_workloads import Workload
 from centralpipe.dispatch.executors import procpool
+from centralpipe.tools.bench_workloads import Workload
 
 __all__ = [
     "PEER_START_METHOD",

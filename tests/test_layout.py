@@ -260,3 +260,17 @@ def test_the_public_progress_is_the_function() -> None:
     assert importlib.machinery.PathFinder.find_spec("progress", centralpipe.__path__) is None
     assert callable(centralpipe.progress)
     assert centralpipe.progress.__module__ == "centralpipe.integrations.progress"
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    """A module imports only the public names of the package's other modules
+    (a private module, such as ``_moved``, is imported whole)."""
+    found = sorted(
+        f"{name}:{node.lineno} imports {alias.name} from {node.module}"
+        for name, path in MODULES.items()
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("centralpipe")
+        for alias in node.names
+        if alias.name.startswith("_") and f"{node.module}.{alias.name}" not in MODULES
+    )
+    assert found == []

@@ -16,9 +16,9 @@ from typing import Any
 
 import attrs
 
-from centralpipe.checkpoint.model import Boundary, Checkpoint, _got, structure_state
+from centralpipe.checkpoint.model import Boundary, Checkpoint, structure_state
 from centralpipe.errors import CheckpointError
-from centralpipe.validators import FieldError
+from centralpipe.validators import FieldError, short_repr
 
 __all__ = ["Expected", "check_pipeline", "rank_mismatch"]
 
@@ -49,7 +49,7 @@ class Expected:
 
 
 def _fail(path: str, expected: str, got: Any) -> None:
-    raise CheckpointError(f"damaged checkpoint: {path} must be {expected}, got {_got(got)}.")
+    raise CheckpointError(f"damaged checkpoint: {path} must be {expected}, got {short_repr(got)}.")
 
 
 def check_pipeline(ckpt: Checkpoint, want: Expected) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from attrs import validators as v
 from cattrs.gen import make_dict_structure_fn
 
 from centralpipe.errors import CheckpointError
-from centralpipe.validators import NUMBER, FieldError, checked, int_in, sequence_of
+from centralpipe.validators import NUMBER, FieldError, checked, int_in, sequence_of, short_repr
 
 __all__ = [
     "FORMAT_VERSION",
@@ -241,19 +241,12 @@ _CONVERTER = _make_converter()
 
 def _format(exc: BaseException, _type: Any) -> str:
     if isinstance(exc, FieldError):
-        return f"\0{exc.field}\0 must be {exc.expected}, got {_got(exc.value)}"
+        return f"\0{exc.field}\0 must be {exc.expected}, got {short_repr(exc.value)}"
     if isinstance(exc, cattrs.ForbiddenExtraKeysError):
         return f"has unexpected key(s) {sorted(exc.extra_fields)}"
     if isinstance(exc, KeyError):
         return "is missing"
     return str(exc)
-
-
-def _got(value: Any) -> str:
-    text = repr(value)
-    if len(text) > 80:
-        text = f"{type(value).__name__} {text[:60]}..."
-    return text
 
 
 def _messages(exc: BaseException, root: str) -> list[str]:

@@ -41,7 +41,7 @@ import attrs
 #: ``Condition.__exit__`` leaves a closed fd marked open, a half-closed process
 #: object or a lock held): an interrupt due there lands at the next event in
 #: centralpipe's code instead.
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # centralpipe/
 _SHIELDED_NAMES = frozenset({"__enter__", "__exit__"})
 
 

@@ -29,7 +29,7 @@ import centralpipe as cp
 
 __all__ = ["WORKERS", "measure", "report_lines", "targets"]
 
-CORPUS_GLOB = str(Path(__file__).resolve().parent.parent / "examples" / "data" / "*.txt")
+CORPUS_GLOB = str(Path(__file__).resolve().parents[2] / "examples" / "data" / "*.txt")
 WORKERS = 2
 MAX_TOKENS = 4096
 BUFFER = 1000

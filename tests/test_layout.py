@@ -274,3 +274,24 @@ def test_no_module_imports_another_modules_private_names() -> None:
         if alias.name.startswith("_") and f"{node.module}.{alias.name}" not in MODULES
     )
     assert found == []
+
+
+def test_no_module_or_test_imports_an_old_path() -> None:
+    """The package and its tests import every moved module from its new path
+    (an old one still works, with a warning, for code outside)."""
+    files = sorted(PACKAGE.rglob("*.py")) + sorted((ROOT / "tests").rglob("*.py"))
+    found = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            else:
+                continue
+            found += [
+                f"{path.relative_to(ROOT)}:{node.lineno}: {name}"
+                for name in names
+                if name in _moved.MOVED or any(name.startswith(f"{m}.") for m in _moved.MOVED)
+            ]
+    assert found == []

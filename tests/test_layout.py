@@ -295,3 +295,14 @@ def test_no_module_or_test_imports_an_old_path() -> None:
                 if name in _moved.MOVED or any(name.startswith(f"{m}.") for m in _moved.MOVED)
             ]
     assert found == []
+
+
+def test_the_supervisor_knows_the_executors_by_their_interface() -> None:
+    """``dispatch.supervisor`` imports the executors' shared interface only,
+    never one executor (processes or threads)."""
+    executors = sorted(
+        full
+        for full in _imports("centralpipe.dispatch.supervisor", module_level=False)
+        if full.startswith("centralpipe.dispatch.executors")
+    )
+    assert executors == ["centralpipe.dispatch.executors.pool"]

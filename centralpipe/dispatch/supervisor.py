@@ -24,7 +24,6 @@ from typing import Any
 
 from centralpipe.dispatch.budget import ResultBytes
 from centralpipe.dispatch.executors.pool import Executor, Slot
-from centralpipe.dispatch.executors.procpool import ProcessPool
 from centralpipe.dispatch.guard import join_started
 from centralpipe.dispatch.reorder import Stream, StreamStats, logger
 from centralpipe.dispatch.wire import protocol
@@ -252,13 +251,9 @@ class Session:
                 what = f"did not start within {max(timeout_s or 0, STARTUP_GRACE_S)} s"
         else:
             what = ex.exit_text(slot)
-            if not slot.ready() and isinstance(ex, ProcessPool):
-                what += (
-                    f" while starting up (start method '{ex.start_method}'; with forkserver or "
-                    'spawn the main script must be guarded by `if __name__ == "__main__":` and '
-                    "stage functions importable)"
-                )
-        exitcode = ex.exitcode(slot) if isinstance(ex, ProcessPool) else None
+            if not slot.ready():
+                what += ex.startup_death_text()
+        exitcode = ex.exitcode(slot)
         seq = stage = None
         if where is not None:
             stream, chunk, at, stage = where

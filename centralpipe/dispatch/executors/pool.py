@@ -158,6 +158,15 @@ class Executor(abc.ABC):
     def exit_text(self, slot: Slot) -> str:
         """How the slot's (dead) worker ended."""
 
+    def exitcode(self, slot: Slot) -> int | None:
+        """The exit status of the slot's (dead) worker, if it has one (a process)."""
+        return None
+
+    def startup_death_text(self) -> str:
+        """Said after :meth:`exit_text` of a worker that died before it was
+        ready: what to check (empty when there is nothing to add)."""
+        return ""
+
     @abc.abstractmethod
     def close(self) -> None:
         """Stop every worker within bounded time; idempotent. A close cut

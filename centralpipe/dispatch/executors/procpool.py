@@ -277,6 +277,13 @@ class ProcessPool(Executor):
         proc.join(5.0)
         return f"died ({describe_exit(proc.exitcode)})"
 
+    def startup_death_text(self) -> str:
+        return (
+            f" while starting up (start method '{self.start_method}'; with forkserver or "
+            'spawn the main script must be guarded by `if __name__ == "__main__":` and '
+            "stage functions importable)"
+        )
+
     def exitcode(self, slot: Slot) -> int | None:
         proc = slot.process
         try:

@@ -17,6 +17,7 @@ import centralpipe as cp
 from centralpipe.dispatch.executors import procpool
 from centralpipe.dispatch.executors.pool import Executor, Slot
 from centralpipe.dispatch.executors.threadpool import ThreadPool
+from centralpipe.dispatch.wire.stash import receive_ring
 from centralpipe.dispatch.worker.loop import WorkerSpec
 from tests import faulty
 
@@ -27,15 +28,20 @@ FORK_HINT = (
 )
 
 
-def _die_first_start(marker: str, real: Callable[..., None], *args: Any) -> None:
-    """``worker_main`` whose first worker exits with status 3 before its
-    receive loop (the replacement starts normally)."""
+def _die_at_first_chunk(marker: str, real: Callable[..., None], *args: Any) -> None:
+    """``worker_main`` whose first worker, once a chunk is waiting on its pipe,
+    exits with status 3 before its receive loop (so before it is ready, while it
+    owes that chunk); the replacement starts normally."""
     try:
         fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
         real(*args)
         return
     os.close(fd)
+    conn, with_ring = args[1], len(args) > 7 and args[7]
+    if with_ring:  # the ring comes first on the pipe
+        receive_ring(conn)
+    conn.poll(30)
     os._exit(3)
 
 
@@ -44,11 +50,13 @@ def test_a_worker_that_dies_starting_up_is_named_with_its_exit_status(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A process worker that exits before it is ready is replaced, logged with
-    its exit status and the start-up hint of its start method; output exact."""
-    marker = str(tmp_path / "died")
-    patched = functools.partial(_die_first_start, marker, procpool.worker_main)
+    its exit status and the start-up hint of its start method; output exact
+    (one item per chunk: both workers are sent work)."""
+    marker = str(tmp_path / "dies")
+    patched = functools.partial(_die_at_first_chunk, marker, procpool.worker_main)
     monkeypatch.setattr(procpool, "worker_main", patched)
-    cfg = cp.LoaderConfig(workers=cp.WorkerConfig(num_workers=2, start_method="fork"))
+    workers = cp.WorkerConfig(num_workers=2, chunk_size=1, start_method="fork")
+    cfg = cp.LoaderConfig(workers=workers)
     pipe = cp.Pipeline.from_iterable(range(N)).dispatch().map(faulty.identity)
     with caplog.at_level(logging.WARNING, logger="centralpipe"), cp.Loader(pipe, cfg) as loader:
         assert list(loader) == list(range(N))

@@ -6,23 +6,23 @@ checkpoints are exact and instant, state is queryable live, and output is the
 same for any number of workers.
 
 The public names are imported on first use (PEP 562): a worker process
-imports ``centralpipe.dispatch.worker`` without the builder, the central
+imports ``centralpipe.dispatch.worker.loop`` without the builder, the central
 stages or torch, which a worker needs only if its functions or items do
-(see :mod:`centralpipe.dispatch.preload`).
+(see :mod:`centralpipe.dispatch.executors.preload`).
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
+
+from centralpipe import _moved
 
 if TYPE_CHECKING:
     from centralpipe import packing as packing
+    from centralpipe.checkpoint.elastic import merge_states
+    from centralpipe.checkpoint.gather import gather_states
     from centralpipe.config import DistributedConfig, LoaderConfig, WorkerConfig
-    from centralpipe.distributed import gather_states
-    from centralpipe.elastic import merge_states
     from centralpipe.errors import (
         CentralpipeError,
         CheckpointError,
@@ -30,9 +30,9 @@ if TYPE_CHECKING:
         PipelineError,
         WorkerError,
     )
+    from centralpipe.integrations.progress import progress
     from centralpipe.loader import Loader
-    from centralpipe.pipeline import Pipeline
-    from centralpipe.progress import progress
+    from centralpipe.plan.pipeline import Pipeline
     from centralpipe.stages.totals import Total
 
 __all__ = [
@@ -62,15 +62,15 @@ _HOMES = {
     "DistributedConfig": "centralpipe.config",
     "Loader": "centralpipe.loader",
     "LoaderConfig": "centralpipe.config",
-    "Pipeline": "centralpipe.pipeline",
+    "Pipeline": "centralpipe.plan.pipeline",
     "PipelineError": "centralpipe.errors",
     "Total": "centralpipe.stages.totals",
     "WorkerConfig": "centralpipe.config",
     "WorkerError": "centralpipe.errors",
-    "gather_states": "centralpipe.distributed",
-    "merge_states": "centralpipe.elastic",
+    "gather_states": "centralpipe.checkpoint.gather",
+    "merge_states": "centralpipe.checkpoint.elastic",
     "packing": "centralpipe.packing",
-    "progress": "centralpipe.progress",
+    "progress": "centralpipe.integrations.progress",
 }
 
 
@@ -88,19 +88,5 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_HOMES})
 
 
-#: Public functions named like the submodule they live in.
-_NAMED_LIKE_THEIR_MODULE = frozenset({"progress"})
-
-
-class _Package(types.ModuleType):
-    """The package's module type: importing the submodule ``progress`` (which
-    sets it on the package as an attribute) never hides the public function
-    ``progress``; it is then read through :func:`__getattr__`."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _NAMED_LIKE_THEIR_MODULE and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
+# Old module paths import their module from its new path (:mod:`centralpipe._moved`).
+_moved.install()

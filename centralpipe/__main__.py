@@ -1,11 +1,11 @@
 """Command line: ``python -m centralpipe {bench,inspect,soak}``.
 
 - ``bench``: throughput against torch's DataLoader and torchdata.nodes, and
-  ``state_dict()`` latency (:mod:`centralpipe.bench`); prints markdown.
+  ``state_dict()`` latency (:mod:`centralpipe.tools.bench`); prints markdown.
 - ``inspect PATH``: a readable summary of a checkpoint saved with ``torch.save``,
   checked against the checkpoint model; loads with ``weights_only=True`` unless
   ``--unsafe-load`` is given for a trusted file.
-- ``soak``: long-running robustness run (:mod:`centralpipe.soak`); its options
+- ``soak``: long-running robustness run (:mod:`centralpipe.tools.soak`); its options
   are its own, passed through unchanged.
 """
 
@@ -26,7 +26,7 @@ PROG = "python -m centralpipe"
 
 
 def _parser() -> argparse.ArgumentParser:
-    from centralpipe import bench
+    from centralpipe.tools import bench
 
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(args_list)
     if args.command == "bench":
-        from centralpipe import bench
+        from centralpipe.tools import bench
 
         return bench.main(args, args_list[1:])
     if args.command == "inspect":
@@ -108,12 +108,12 @@ def _quiet_on_closed_pipe(command: Callable[[], int]) -> int:
 
 def _soak(argv: list[str]) -> int:
     try:
-        soak = importlib.import_module("centralpipe.soak")
+        soak = importlib.import_module("centralpipe.tools.soak")
     except ModuleNotFoundError as exc:
-        if exc.name != "centralpipe.soak":
+        if exc.name != "centralpipe.tools.soak":
             raise
         print(
-            f"{PROG} soak: this installation has no soak command (module centralpipe.soak is "
+            f"{PROG} soak: this installation has no soak command (module centralpipe.tools.soak is "
             "missing); install a centralpipe version that includes it.",
             file=sys.stderr,
         )

@@ -25,10 +25,10 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from centralpipe.dispatch.boundary import Run
+from centralpipe.dispatch.executors.pool import Executor
+from centralpipe.dispatch.executors.starter import BackgroundStart
 from centralpipe.dispatch.guard import new_chain_lock
 from centralpipe.dispatch.pinning import Pinner
-from centralpipe.dispatch.pool import Executor
-from centralpipe.dispatch.starter import BackgroundStart
 from centralpipe.stages import CentralNode
 
 __all__ = ["OWN_THREAD_PREFIX", "Resources"]

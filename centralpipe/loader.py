@@ -18,20 +18,20 @@ from typing import Any, Generic, TypeVar
 from centralpipe import checkpoint, metrics, resume
 from centralpipe.config import LoaderConfig
 from centralpipe.dispatch.boundary import Policy, Run, StreamPlan, WarmStart, idle_worker_states
-from centralpipe.dispatch.chain import WorkerChain
+from centralpipe.dispatch.executors.pool import Executor
+from centralpipe.dispatch.executors.preload import server_preload
+from centralpipe.dispatch.executors.procpool import ProcessPool, warm_up
+from centralpipe.dispatch.executors.starter import BACKGROUND_METHODS, BackgroundStart
+from centralpipe.dispatch.executors.threadpool import ThreadPool
 from centralpipe.dispatch.guard import hold
 from centralpipe.dispatch.pinning import make_pinner
-from centralpipe.dispatch.pool import Executor
-from centralpipe.dispatch.preload import server_preload
-from centralpipe.dispatch.procpool import ProcessPool, warm_up
 from centralpipe.dispatch.reorder import StreamStats
-from centralpipe.dispatch.starter import BACKGROUND_METHODS, BackgroundStart
-from centralpipe.dispatch.threadpool import ThreadPool
-from centralpipe.dispatch.worker import WorkerSpec
+from centralpipe.dispatch.worker.chain import WorkerChain
+from centralpipe.dispatch.worker.loop import WorkerSpec
 from centralpipe.errors import PipelineError
 from centralpipe.launchers import warn_if_duplicating
 from centralpipe.lifetime import Resources
-from centralpipe.pipeline import Pipeline
+from centralpipe.plan.pipeline import Pipeline
 from centralpipe.stages import (
     Count,
     Parallel,

@@ -12,8 +12,8 @@ from typing import Any
 
 from centralpipe.config import WorkerConfig
 from centralpipe.dispatch.boundary import Run
-from centralpipe.dispatch.pool import Executor
-from centralpipe.dispatch.procpool import ProcessPool
+from centralpipe.dispatch.executors.pool import Executor
+from centralpipe.dispatch.executors.procpool import ProcessPool
 from centralpipe.dispatch.reorder import StreamStats
 from centralpipe.stages import CentralNode, all_nodes
 

@@ -16,8 +16,8 @@ from typing import Any
 from centralpipe import checkpoint
 from centralpipe.checkpoint import FORMAT_VERSION
 from centralpipe.dispatch.boundary import StreamPlan, empty_segment_entry
-from centralpipe.dispatch.protocol import InFlight
-from centralpipe.pipeline import WORKER_KINDS, Pipeline
+from centralpipe.dispatch.wire.protocol import InFlight
+from centralpipe.plan.pipeline import WORKER_KINDS, Pipeline
 from centralpipe.stages import CentralNode, Parallel, RunContext, Shard
 from centralpipe.stages.totals import chain_totals
 

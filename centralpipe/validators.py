@@ -15,7 +15,16 @@ from typing import Any
 import attrs
 from attrs import validators as v
 
-__all__ = ["INT", "NUMBER", "FieldError", "Validator", "checked", "int_in", "sequence_of"]
+__all__ = [
+    "INT",
+    "NUMBER",
+    "FieldError",
+    "Validator",
+    "checked",
+    "int_in",
+    "sequence_of",
+    "short_repr",
+]
 
 Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
@@ -33,10 +42,12 @@ class FieldError(ValueError):
         self.field = field
         self.expected = expected
         self.value = value
-        super().__init__(f"`{field}` must be {expected}, got {_short(value)}.")
+        super().__init__(f"`{field}` must be {expected}, got {short_repr(value)}.")
 
 
-def _short(value: Any) -> str:
+def short_repr(value: Any) -> str:
+    """``repr(value)``, cut to a type name and 60 characters when longer than 80
+    (for error messages)."""
     text = repr(value)
     return text if len(text) <= 80 else f"{type(value).__name__} {text[:60]}..."
 
@@ -52,7 +63,8 @@ def checked(error: type[Exception], expected: str, *validators: Validator) -> Va
         except (TypeError, ValueError):
             if error is FieldError:
                 raise FieldError(attribute.name, expected, value) from None
-            raise error(f"`{attribute.name}` must be {expected}, got {_short(value)}.") from None
+            got = short_repr(value)
+            raise error(f"`{attribute.name}` must be {expected}, got {got}.") from None
 
     return check
 

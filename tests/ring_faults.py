@@ -29,7 +29,7 @@ def _tear_next_write(marker: str) -> None:
     """In this worker: the next ring write (of a result as it is made, or of
     a message) stops halfway through its bytes (the first half garbage, the
     rest as it was), then SIGKILL."""
-    from centralpipe.dispatch import shm, stash
+    from centralpipe.dispatch.wire import shm, stash
 
     def tear(self: Any, n: int) -> None:
         start = self._alloc(shm.aligned(n))

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 import centralpipe as cp
-from centralpipe.dispatch.procpool import ProcessPool
+from centralpipe.dispatch.executors.procpool import ProcessPool
 from tests import startup_fns
 
 #: Bound on waiting for the background start in these tests (a loaded machine

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from centralpipe import bench_sources
+from centralpipe.tools import bench_sources
 
 pytest.importorskip("zstandard")
 pytest.importorskip("pyarrow")

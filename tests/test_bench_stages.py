@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from centralpipe import bench_stages
+from centralpipe.tools import bench_stages
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH_TIMEOUT_S = 120

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from centralpipe import bench, bench_report, bench_transport
-from centralpipe.bench_transport import FUNCTIONS, INLINE, NO_TORCH_IN_SERVER
 from centralpipe.config import START_METHODS
+from centralpipe.tools import bench, bench_report, bench_transport
+from centralpipe.tools.bench_transport import FUNCTIONS, INLINE, NO_TORCH_IN_SERVER
 
 
 def test_startup_child_times_a_first_and_a_later_loader() -> None:

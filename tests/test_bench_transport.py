@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import centralpipe as cp
-from centralpipe import bench, bench_report, bench_transport, bench_workloads
-from centralpipe.bench_contenders import STOCK_SOCKET_BUFFER_BYTES, Timing, socket_buffers
+from centralpipe.tools import bench, bench_report, bench_transport, bench_workloads
+from centralpipe.tools.bench_contenders import STOCK_SOCKET_BUFFER_BYTES, Timing, socket_buffers
 
 BENCH_TIMEOUT_S = 180
 
@@ -133,7 +133,7 @@ def wrong_tensor(i: int) -> torch.Tensor:
 
 def test_slot_pool_limit_checks_each_item() -> None:
     """The minimal slot-pool loader moves items in order and refuses wrong ones."""
-    from centralpipe import bench_limit
+    from centralpipe.tools import bench_limit
 
     nbytes = bench_workloads.TENSOR_NUMEL * 4
     assert bench_limit.run_slot_pool(bench_workloads.full_tensor, 60, 2, nbytes) > 0

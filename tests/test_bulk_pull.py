@@ -12,8 +12,8 @@ import pytest
 
 import centralpipe as cp
 from centralpipe.dispatch import sender
-from centralpipe.dispatch.chain import WorkerChain
 from centralpipe.dispatch.reorder import Stamper, Stream, StreamStats
+from centralpipe.dispatch.worker.chain import WorkerChain
 from centralpipe.stages import IterableSource, RunContext
 from centralpipe.testing import assert_resumes_exactly
 from tests import faulty

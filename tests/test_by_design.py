@@ -13,9 +13,11 @@ from typing import Any
 import pytest
 
 import centralpipe as cp
-from centralpipe.dispatch import protocol, sender
-from centralpipe.dispatch.procpool import ProcessPool
-from centralpipe.dispatch.protocol import (
+from centralpipe.dispatch import sender
+from centralpipe.dispatch.executors.procpool import ProcessPool
+from centralpipe.dispatch.reorder import Stream
+from centralpipe.dispatch.wire import protocol
+from centralpipe.dispatch.wire.protocol import (
     STATUS_LEN,
     STATUS_SEQ,
     STATUS_STARTED,
@@ -23,7 +25,6 @@ from centralpipe.dispatch.protocol import (
     read_status,
     status_begin,
 )
-from centralpipe.dispatch.reorder import Stream
 from centralpipe.testing import collect
 from tests._configs import loader_config
 

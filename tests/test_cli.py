@@ -13,7 +13,7 @@ import torch
 
 import centralpipe as cp
 from centralpipe.__main__ import main
-from centralpipe.bench import SECTIONS
+from centralpipe.tools.bench import SECTIONS
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH_TIMEOUT_S = 120
@@ -235,7 +235,7 @@ def test_inspect_exits_quietly_on_a_closed_pipe(tmp_path: Path) -> None:
 
 
 def test_soak_passes_its_arguments_through(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`soak ARGS` calls centralpipe.soak.main with ARGS unchanged, options included."""
+    """`soak ARGS` calls centralpipe.tools.soak.main with ARGS unchanged, options included."""
     import types
 
     seen: list[list[str]] = []
@@ -244,9 +244,9 @@ def test_soak_passes_its_arguments_through(monkeypatch: pytest.MonkeyPatch) -> N
         seen.append(list(argv))
         return 3
 
-    fake = types.ModuleType("centralpipe.soak")
+    fake = types.ModuleType("centralpipe.tools.soak")
     fake.main = fake_main  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "centralpipe.soak", fake)
+    monkeypatch.setitem(sys.modules, "centralpipe.tools.soak", fake)
     assert main(["soak", "--minutes", "1", "--help"]) == 3
     assert seen == [["--minutes", "1", "--help"]]
 
@@ -254,17 +254,17 @@ def test_soak_passes_its_arguments_through(monkeypatch: pytest.MonkeyPatch) -> N
 def test_soak_without_its_module_exits_2(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Without centralpipe.soak, `soak` says so and exits with status 2."""
-    monkeypatch.setitem(sys.modules, "centralpipe.soak", None)
+    """Without centralpipe.tools.soak, `soak` says so and exits with status 2."""
+    monkeypatch.setitem(sys.modules, "centralpipe.tools.soak", None)
     assert main(["soak"]) == 2
-    assert "centralpipe.soak" in capsys.readouterr().err
+    assert "centralpipe.tools.soak" in capsys.readouterr().err
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(BENCH_TIMEOUT_S + 30)
 def test_quick_seed_bench_prints_its_table() -> None:
     """`bench --scale 100 --only seed` prints a row per tokenizer and contender, and the targets."""
-    from centralpipe import bench_seed
+    from centralpipe.tools import bench_seed
 
     proc = _cli(
         "bench", "--scale", "100", "--only", "seed", "--workers", "2", timeout=BENCH_TIMEOUT_S
@@ -293,7 +293,7 @@ def test_quick_seed_bench_prints_its_table() -> None:
 
 def test_seed_bucketizer_matches_bucket_by_max_tokens() -> None:
     """The peers' bucketizer in the seed bench makes the batches centralpipe makes."""
-    from centralpipe import bench_seed
+    from centralpipe.tools import bench_seed
 
     g = torch.Generator().manual_seed(0)
     seqs = [list(range(int(n))) for n in torch.randint(0, 5000, (3000,), generator=g)]
@@ -307,7 +307,7 @@ def test_seed_bucketizer_matches_bucket_by_max_tokens() -> None:
 
 def test_seed_report_shows_a_skipped_tokenizer() -> None:
     """A tokenizer that could not be built is one 'skipped' row with its reason, no target."""
-    from centralpipe import bench_seed
+    from centralpipe.tools import bench_seed
 
     res = bench_seed.TokenizerResult("BPE (tokenizers)", skipped="`tokenizers` is not importable")
     lines = bench_seed.report_lines([res])

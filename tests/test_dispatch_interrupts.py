@@ -8,7 +8,7 @@ a fresh loader, and nothing is left open.
 
 Each point is hit deterministically: a function patched to raise once, or a
 trace hook that raises at the entry of the k-th function of centralpipe's
-code that a call runs (as :mod:`centralpipe.faults` does for the soak), swept
+code that a call runs (as :mod:`centralpipe.testing.faults` does for the soak), swept
 over every k of that call.
 """
 
@@ -29,13 +29,13 @@ import psutil
 import pytest
 
 import centralpipe as cp
-from centralpipe import faults
-from centralpipe.dispatch import protocol, sender, shm
+from centralpipe.dispatch import sender
 from centralpipe.dispatch.budget import ResultBytes
-from centralpipe.dispatch.chain import WorkerChain
-from centralpipe.dispatch.procpool import ProcessPool
+from centralpipe.dispatch.executors.procpool import ProcessPool
 from centralpipe.dispatch.reorder import Stream
-from centralpipe.testing import collect
+from centralpipe.dispatch.wire import protocol, shm
+from centralpipe.dispatch.worker.chain import WorkerChain
+from centralpipe.testing import collect, faults
 from tests._configs import loader_config
 
 N = 120

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 import centralpipe as cp
-from centralpipe.dispatch import procpool, supervisor
+from centralpipe.dispatch import supervisor
+from centralpipe.dispatch.executors import procpool
 from tests import faulty
 
 N = 200

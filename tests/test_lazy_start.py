@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 import centralpipe as cp
-from centralpipe.dispatch.procpool import ProcessPool
+from centralpipe.dispatch.executors.procpool import ProcessPool
 from centralpipe.testing import collect
 from tests._configs import loader_config
 

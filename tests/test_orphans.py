@@ -77,7 +77,7 @@ def test_workers_exit_when_main_is_killed_and_unreaped(start_method: str, mode: 
 
 def test_liveness_check_sees_a_zombie_as_dead() -> None:
     """The watchdog's check counts an exited, unreaped process as dead."""
-    from centralpipe.dispatch.worker import main_alive
+    from centralpipe.dispatch.worker.loop import main_alive
 
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     try:

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import centralpipe as cp
-from centralpipe.dispatch import plain, protocol, shm, stash, transport
+from centralpipe.dispatch.wire import plain, protocol, shm, stash, transport
 from tests.faulty import _first_time
 from tests.test_transport import describe
 

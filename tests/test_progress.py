@@ -14,8 +14,8 @@ from tqdm.std import tqdm
 
 import centralpipe as cp
 
-# ``centralpipe.progress`` (the attribute) is the function; this is the module.
-progress_module = importlib.import_module("centralpipe.progress")
+# ``centralpipe.progress`` is the function; this is its module.
+progress_module = importlib.import_module("centralpipe.integrations.progress")
 
 N = 500
 BATCH = 7

@@ -29,7 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import centralpipe as cp
-from centralpipe.dispatch import shm, stash
+from centralpipe.dispatch.wire import shm, stash
 from tests import ring_faults
 from tests._leaks import shm_entries, wait_for_new_shm
 

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from centralpipe import soak
+from centralpipe.tools import soak
 
 
 @pytest.mark.timeout(240)

@@ -900,7 +900,7 @@ def test_every_stage_kind_has_one_home() -> None:
     kind, its construction and its state schema; each worker kind its output rule."""
     import attrs
 
-    from centralpipe.pipeline import WORKER_KINDS
+    from centralpipe.plan.pipeline import WORKER_KINDS
     from centralpipe.stages import NODE_CLASSES
 
     words = cp.Pipeline.from_iterable(["a", "bb"])

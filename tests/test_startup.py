@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import centralpipe as cp
-from centralpipe.dispatch.preload import TORCH, WORKER_MODULE, needs_torch, server_preload
+from centralpipe.dispatch.executors.preload import TORCH, WORKER_MODULE, needs_torch, server_preload
 from tests import startup_fns, startup_indirect_fns, startup_torch_fns
 
 ROOT = str(Path(__file__).parent.parent)
@@ -119,7 +119,7 @@ def test_worker_loop_imports_no_torch() -> None:
     (the public names load on first use)."""
     code = (
         f"import sys; sys.path.insert(0, {ROOT!r}); import centralpipe, {WORKER_MODULE}, "
-        "centralpipe.specs; print('torch' in sys.modules); centralpipe.Loader; "
+        "centralpipe.plan.specs; print('torch' in sys.modules); centralpipe.Loader; "
         "print('torch' in sys.modules)"
     )
     done = subprocess.run(
@@ -167,7 +167,7 @@ def test_progress_stays_the_function_after_its_module_is_imported() -> None:
     is imported (the public names load lazily)."""
     import importlib
 
-    module = importlib.import_module("centralpipe.progress")
+    module = importlib.import_module("centralpipe.integrations.progress")
     assert cp.progress is module.progress and callable(cp.progress)
     namespace: dict[str, object] = {}
     exec("from centralpipe import progress", namespace)

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import centralpipe as cp
-from centralpipe.dispatch import transport
+from centralpipe.dispatch.wire import transport
 from tests._configs import loader_config
 
 Point = collections.namedtuple("Point", "x y")

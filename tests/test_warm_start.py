@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 
 import centralpipe as cp
-from centralpipe.dispatch.chain import WorkerChain
-from centralpipe.dispatch.procpool import ProcessPool
+from centralpipe.dispatch.executors.procpool import ProcessPool
+from centralpipe.dispatch.worker.chain import WorkerChain
 from centralpipe.errors import ConfigError, WorkerError
 from centralpipe.testing import collect
 from tests.test_dispatch_interrupts import _interrupted_next_goes_on, _once_at, _sweep

@@ -5,34 +5,57 @@ the workers and come back in order: the dispatch boundary, and each parallel
 central stage (``map/filter/flat_map(..., parallel=True)``). All the streams
 of a pass share one executor (processes or threads) and one supervisor.
 
-Modules, by role:
+Modules, by role. ``[worker]``: runs in worker processes too (the worker loop
+and all it imports): never imports torch, the builder or the central stages,
+a rule ``tests/test_layout.py`` checks. Every other module runs in the main
+process only.
 
-- ``protocol``   messages, chunks, results, worker status slots; the only
-  user of ``transport``, so another transport plugs in there.
-- ``transport``  serialisation and framing of one message.
-- ``shm``        each worker process's shared-memory ring for large result
-  buffers (anonymous memory handed over on its pipe; only ring offsets
+Main process, one pass of the Loader:
+
+- ``boundary``  assembling a run of every stream (``Run``, the Loader's entry).
+- ``warm``      the inline warm start: the first chunks run in the main process
+  while the workers start.
+- ``pull``      pulling a chunk from the central chain into a stream.
+- ``sender``    sending chunks round-robin; the drivers (inline, feeder
+  thread, parallel stage).
+- ``reorder``   a :class:`~centralpipe.dispatch.reorder.Stream`: in-order
+  delivery of its results.
+- ``capture``   the checkpoint capture of a stream's in-flight inputs.
+- ``stamps``    the ``count``/``shard`` totals each dispatched item carries.
+- ``supervisor`` receiving every result; deaths, hangs, poison items, restarts.
+- ``budget``    the bytes of results held before their turn, and the bound
+  on them (``buffer_bytes``): which streams may send, which workers are read.
+- ``guard``     the chain lock, the one lock held across user code, and
+  the bounded waits on it.
+- ``pinning``   pinning delivered tensors (``pin_memory=True``) in a thread.
+
+``executors/``, where the workers run (main process):
+
+- ``executors.pool``       what the executors share: slots, events, the interface.
+- ``executors.procpool``   worker processes: start, replace, shut down; the forkserver.
+- ``executors.threadpool`` worker threads in this process.
+- ``executors.preload``    what the forkserver imports before it forks a worker.
+- ``executors.starter``    starting the worker processes in the background.
+
+``wire/``, what both processes share (torch-free):
+
+- ``wire.protocol`` [worker] messages, chunks, results, worker status slots;
+  the only user of ``transport``, so another transport plugs in there.
+- ``wire.transport`` [worker] serialisation and framing of one message.
+- ``wire.plain`` [worker] results that are plain tensors and arrays in the ring,
+  described in a table of integers instead of pickled.
+- ``wire.shm`` [worker] each worker process's shared-memory ring for large
+  result buffers (anonymous memory handed over on its pipe; only ring offsets
   travel on the pipe; lent to the received tensors and arrays without a
   copy, released when they are freed).
-- ``stash``      the worker's side of its ring: free space, and large
+- ``wire.stash`` [worker] the worker's side of its ring: free space, and large
   outputs moved into the ring as the worker stages make them.
-- ``chain``      the worker stages run over one chunk (in a worker or inline).
-- ``worker``     the worker loop, for a process or a thread.
-- ``pool``       what the executors share: slots, events, the interface.
-- ``procpool``   worker processes: start, replace, shut down; the forkserver.
-- ``threadpool`` worker threads in this process.
-- ``pull``       pulling a chunk from the central chain into a stream.
-- ``sender``     sending chunks round-robin; the drivers (inline, feeder
-  thread, parallel stage).
-- ``reorder``    a :class:`~centralpipe.dispatch.reorder.Stream`: in-order
-  delivery and the checkpoint capture of its in-flight inputs.
-- ``stamps``     the ``count``/``shard`` totals each dispatched item carries.
-- ``supervisor`` receiving every result; deaths, hangs, poison items, restarts.
-- ``budget``     the bytes of results held before their turn, and the bound
-  on them (``buffer_bytes``): which streams may send, which workers are read.
-- ``boundary``   assembling a run of every stream (the Loader's entry).
-- ``guard``      the chain lock, the one lock held across user code, and
-  the bounded waits on it.
+
+``worker/``, what runs in a worker:
+
+- ``worker.loop`` [worker] the worker loop, for a process or a thread.
+- ``worker.chain`` [worker] the worker stages run over one chunk (in a worker
+  or inline).
 
 The concurrency story
 ---------------------

@@ -16,13 +16,13 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from centralpipe.dispatch.chain import WorkerChain
-from centralpipe.dispatch.pool import Executor
-from centralpipe.dispatch.protocol import InFlight
+from centralpipe.dispatch.executors.pool import Executor
 from centralpipe.dispatch.reorder import Driver, Stamper, Stream, StreamStats
 from centralpipe.dispatch.sender import FeederDriver, InlineDriver, SegmentDriver
 from centralpipe.dispatch.supervisor import Policy, Session
 from centralpipe.dispatch.warm import WarmDriver, WarmStart
+from centralpipe.dispatch.wire.protocol import InFlight
+from centralpipe.dispatch.worker.chain import WorkerChain
 from centralpipe.stages import CentralNode, Parallel, Shard
 
 __all__ = ["Policy", "Run", "StreamPlan", "WarmStart", "empty_segment_entry", "idle_worker_states"]

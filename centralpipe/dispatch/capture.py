@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from centralpipe.dispatch.guard import Holding
-from centralpipe.dispatch.protocol import Chunk
+from centralpipe.dispatch.wire.protocol import Chunk
 from centralpipe.stages import CentralNode
 
 __all__ = ["Capture"]

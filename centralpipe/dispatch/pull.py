@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import time
 
-from centralpipe.dispatch.protocol import Chunk
 from centralpipe.dispatch.reorder import FIRST_CHUNK, Stream
 from centralpipe.dispatch.supervisor import POLL_S
+from centralpipe.dispatch.wire.protocol import Chunk
 
 __all__ = [
     "FLUSH_S",

@@ -39,10 +39,10 @@ from typing import Any, NoReturn
 
 from centralpipe.dispatch.budget import ResultBytes
 from centralpipe.dispatch.capture import Capture
-from centralpipe.dispatch.chain import WorkerChain
 from centralpipe.dispatch.guard import Wake, new_chain_lock
-from centralpipe.dispatch.protocol import Chunk, ChunkResult, InFlight, StageFailure
 from centralpipe.dispatch.stamps import Stamper
+from centralpipe.dispatch.wire.protocol import Chunk, ChunkResult, InFlight, StageFailure
+from centralpipe.dispatch.worker.chain import WorkerChain
 from centralpipe.errors import CheckpointError, WorkerError
 from centralpipe.stages import CentralNode
 

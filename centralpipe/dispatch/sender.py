@@ -30,13 +30,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from centralpipe.dispatch import protocol
 from centralpipe.dispatch.guard import busy_stage
-from centralpipe.dispatch.protocol import Chunk, ChunkResult, StageFailure
 from centralpipe.dispatch.pull import has_room, pull_chunk, target_chunk
 from centralpipe.dispatch.reorder import FIRST_CHUNK, Driver, Stream
 from centralpipe.dispatch.supervisor import POLL_S, Session
-from centralpipe.dispatch.worker import result_message, run_received
+from centralpipe.dispatch.wire import protocol
+from centralpipe.dispatch.wire.protocol import Chunk, ChunkResult, StageFailure
+from centralpipe.dispatch.worker.loop import result_message, run_received
 
 __all__ = [
     "FIRST_CHUNK",

@@ -1,7 +1,7 @@
 """Supervision: receiving results, deaths, hangs, poison items and restarts.
 
 A :class:`Session` is one run's use of the executor (see
-:mod:`centralpipe.dispatch.pool`) by every ordered stream of that run (each
+:mod:`centralpipe.dispatch.executors.pool`) by every ordered stream of that run (each
 parallel central stage, then the dispatch boundary). Its *supervisor thread*
 is the only reader of the workers' results: it puts each result on its chunk
 (never taking a stream's lock), watches worker deaths and per-item deadlines,
@@ -22,13 +22,12 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
-from centralpipe.dispatch import protocol
 from centralpipe.dispatch.budget import ResultBytes
+from centralpipe.dispatch.executors.pool import Executor, Slot
 from centralpipe.dispatch.guard import Wake, join_started
-from centralpipe.dispatch.pool import Executor, Slot
-from centralpipe.dispatch.procpool import ProcessPool
-from centralpipe.dispatch.protocol import MSG_RESULT, MSG_STATES, Chunk, StageFailure
 from centralpipe.dispatch.reorder import Stream, StreamStats, logger
+from centralpipe.dispatch.wire import protocol
+from centralpipe.dispatch.wire.protocol import MSG_RESULT, MSG_STATES, Chunk, StageFailure
 from centralpipe.errors import WorkerError
 
 __all__ = ["POLL_S", "Policy", "Session"]
@@ -251,13 +250,9 @@ class Session:
                 what = f"did not start within {max(timeout_s or 0, STARTUP_GRACE_S)} s"
         else:
             what = ex.exit_text(slot)
-            if not slot.ready() and isinstance(ex, ProcessPool):
-                what += (
-                    f" while starting up (start method '{ex.start_method}'; with forkserver or "
-                    'spawn the main script must be guarded by `if __name__ == "__main__":` and '
-                    "stage functions importable)"
-                )
-        exitcode = ex.exitcode(slot) if isinstance(ex, ProcessPool) else None
+            if not slot.ready():
+                what += ex.startup_death_text()
+        exitcode = ex.exitcode(slot)
         seq = stage = None
         if where is not None:
             stream, chunk, at, stage = where

@@ -3,7 +3,7 @@
 Off by default (``WorkerConfig.start_inline=False``): with ``num_workers > 0``
 user code runs only in the workers, as with torch's DataLoader, and the first
 ``next()`` waits for them. A ``forkserver`` or ``spawn`` pool starts in the
-background when the Loader is created (:mod:`centralpipe.dispatch.starter`),
+background when the Loader is created (:mod:`centralpipe.dispatch.executors.starter`),
 but its workers may need a second or more (a forkserver importing torch, each
 spawned worker importing it). With ``start_inline=True`` a pass that begins
 before they are ready does not wait for them: a :class:`WarmDriver` runs the
@@ -50,10 +50,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from centralpipe.dispatch.pool import Executor
-from centralpipe.dispatch.protocol import Chunk
+from centralpipe.dispatch.executors.pool import Executor
 from centralpipe.dispatch.reorder import Driver
 from centralpipe.dispatch.sender import InlineDriver
+from centralpipe.dispatch.wire.protocol import Chunk
 
 if TYPE_CHECKING:
     from centralpipe.dispatch.boundary import Run

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from centralpipe.pipeline import StageSpec
+from centralpipe.plan.pipeline import StageSpec
 from centralpipe.stages.base import SOURCE_KEY, CentralNode, RunContext, add_stage_note
 from centralpipe.stages.batch import Batch, BucketByMaxTokens
 from centralpipe.stages.count import Count

@@ -41,7 +41,7 @@ from centralpipe.errors import CheckpointError
 from centralpipe.validators import FieldError, checked, sequence_of
 
 if TYPE_CHECKING:
-    from centralpipe.pipeline import StageSpec
+    from centralpipe.plan.pipeline import StageSpec
 
 __all__ = [
     "HELD",

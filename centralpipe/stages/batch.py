@@ -28,7 +28,7 @@ import attrs
 from attrs import validators as v
 from torchdata.nodes import BaseNode
 
-from centralpipe.pipeline import StageSpec
+from centralpipe.plan.pipeline import StageSpec
 from centralpipe.stages.base import HELD, CentralNode, HeldState, RunContext, Total, pull_one
 from centralpipe.stages.measures import as_length
 from centralpipe.validators import FieldError, checked, int_in, sequence_of

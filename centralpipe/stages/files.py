@@ -24,7 +24,7 @@ from attrs import validators as v
 from torchdata.nodes import BaseNode
 
 from centralpipe.errors import CheckpointError
-from centralpipe.pipeline import StageSpec
+from centralpipe.plan.pipeline import StageSpec
 from centralpipe.stages.base import CentralNode, RunContext
 from centralpipe.stages.fs import file_size, is_url, open_binary
 from centralpipe.stages.sources import FilesSource

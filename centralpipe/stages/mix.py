@@ -42,7 +42,7 @@ import attrs
 from attrs import validators as v
 
 from centralpipe.errors import PipelineError
-from centralpipe.pipeline import Pipeline, StageSpec
+from centralpipe.plan.pipeline import Pipeline, StageSpec
 from centralpipe.seeding import derive_seed
 from centralpipe.stages.base import CentralNode, RunContext
 from centralpipe.validators import FieldError, checked, int_in, sequence_of

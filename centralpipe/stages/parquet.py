@@ -28,7 +28,7 @@ from attrs import validators as v
 from torchdata.nodes import BaseNode
 
 from centralpipe.errors import CheckpointError
-from centralpipe.pipeline import StageSpec
+from centralpipe.plan.pipeline import StageSpec
 from centralpipe.stages.base import CentralNode, RunContext
 from centralpipe.stages.files import (
     check_current_file,

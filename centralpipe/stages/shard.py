@@ -8,7 +8,7 @@ size can decide again); ``"pad"`` completes that last round by reusing its
 items cyclically, so nothing is dropped. ``index`` — the stream position of
 the next item — is recorded in every checkpoint.
 
-Elastic resume (:mod:`centralpipe.elastic`) needs three more things, all empty
+Elastic resume (:mod:`centralpipe.checkpoint.elastic`) needs three more things, all empty
 in a run that started at the beginning of an epoch:
 
 - ``base``: the position where this world size's sharding started (rounds and
@@ -40,7 +40,7 @@ import attrs
 from attrs import validators as v
 from torchdata.nodes import BaseNode
 
-from centralpipe.pipeline import StageSpec
+from centralpipe.plan.pipeline import StageSpec
 from centralpipe.stages.base import CentralNode, RunContext, Total
 from centralpipe.stages.count import Count
 from centralpipe.validators import FieldError, checked, int_in, sequence_of

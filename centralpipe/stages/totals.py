@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from centralpipe.pipeline import WORKER_KINDS, StageSpec
+from centralpipe.plan.pipeline import WORKER_KINDS, StageSpec
 from centralpipe.stages.base import RunContext, Total
 from centralpipe.stages.files import count_lines
 from centralpipe.stages.mix import Mix

@@ -1,0 +1,40 @@
+"""The checkpoint: its one typed model, and what reads and merges it.
+
+- ``model``   the layout of ``loader.state_dict()`` as attrs classes
+  (:class:`Checkpoint`), built and checked from the wire dict
+  (:func:`structure`), with the key path of any damage.
+- ``fit``     the checks of a checkpoint against the pipeline it resumes
+  (:class:`Expected`, :func:`check_pipeline`, :func:`rank_mismatch`).
+- ``elastic`` merging every rank's state into one that resumes on any world
+  size (:func:`~centralpipe.merge_states`).
+- ``gather``  the collective side of it (:func:`~centralpipe.gather_states`).
+
+This package's names are the model's and the checks' (``model``'s import
+path before them was ``centralpipe.checkpoint``, which keeps them).
+"""
+
+from centralpipe.checkpoint.fit import Expected, check_pipeline, rank_mismatch
+from centralpipe.checkpoint.model import (
+    FORMAT_VERSION,
+    Boundary,
+    Checkpoint,
+    Distributed,
+    Position,
+    structure,
+    structure_state,
+    unstructure,
+)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "Boundary",
+    "Checkpoint",
+    "Distributed",
+    "Expected",
+    "Position",
+    "check_pipeline",
+    "rank_mismatch",
+    "structure",
+    "structure_state",
+    "unstructure",
+]

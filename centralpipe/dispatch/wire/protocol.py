@@ -1,0 +1,388 @@
+"""What crosses the dispatch boundary: messages, chunks, results, and encoding.
+
+Every message between the main process and a worker, and every copy of items
+made for the worker stages, goes through the functions here; they are the
+only callers of :mod:`centralpipe.dispatch.wire.transport` (serialisation and
+framing), so a different transport plugs in at one place.
+
+Messages (tuples, first element the kind):
+
+- ``(MSG_CHUNK, run_id, stream_id, cid, epoch, first_seq, items, skip, per_item, rng_key)``
+  main → worker; ``stream_id`` picks the worker chain (one per ordered
+  stream: each parallel central stage, then the dispatch boundary)
+- ``(MSG_RESULT, run_id, stream_id, cid, ChunkResult)`` worker → main
+- ``(MSG_STATES,)`` main → worker, answered by ``(MSG_STATES, states)``
+
+A chunk's items and a result's outputs travel *sealed*
+(:class:`~centralpipe.dispatch.wire.transport.Sealed`): one that cannot be
+unpickled on the other side arrives as an ``Undecodable`` inside an intact
+message, so the receiver still knows which chunk it was. Such a chunk is sent
+again ``per_item``: each item, and each input's outputs, sealed on its own, so
+exactly the items that cannot cross fail (at the boundary stage for inputs,
+at the last worker stage for outputs) and every item before them is delivered.
+
+A worker also publishes its progress in a shared status array (``STATUS_*``
+slots): the stream, ``seq`` and stage index of the item it is on and since
+when, so the main process can time out a hung item and name the item that
+killed a worker without asking it anything. The worker is the only writer; a
+version counter (odd while a write is in progress) lets a reader retry
+instead of reading a torn mix of two items (a seqlock).
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import Any, NamedTuple
+
+from centralpipe.dispatch.wire import transport
+from centralpipe.dispatch.wire.shm import Ring
+from centralpipe.dispatch.wire.stash import RingWriter
+
+__all__ = [
+    "MSG_CHUNK",
+    "MSG_RESULT",
+    "MSG_STATES",
+    "STATUS_LEN",
+    "STATUS_READY",
+    "STATUS_SEQ",
+    "STATUS_STAGE",
+    "STATUS_STARTED",
+    "STATUS_STREAM",
+    "STATUS_VERSION",
+    "Chunk",
+    "ChunkResult",
+    "Encoded",
+    "InFlight",
+    "StageFailure",
+    "Undecodable",
+    "chunk_message",
+    "copy_items",
+    "decode",
+    "encode",
+    "exception_text",
+    "group_outputs",
+    "picklable_error",
+    "read_status",
+    "recv",
+    "recv_counted",
+    "seal_outputs",
+    "send",
+    "send_encoded",
+    "send_result",
+    "status_begin",
+    "status_idle",
+    "status_stage",
+    "unseal_outputs",
+]
+
+MSG_CHUNK = 1
+MSG_RESULT = 2
+MSG_STATES = 3
+
+# status slots shared between a worker and the main process
+STATUS_VERSION, STATUS_SEQ, STATUS_STARTED, STATUS_STAGE, STATUS_STREAM, STATUS_READY = range(6)
+STATUS_LEN = 6
+#: Reads of a status array retried while the worker is writing it.
+_STATUS_READ_TRIES = 1000
+
+
+def status_begin(status: Any, stream: int, seq: int, stage: int) -> None:
+    """The worker starts item ``seq`` of ``stream`` at stage index ``stage``."""
+    v = status[STATUS_VERSION]
+    status[STATUS_VERSION] = v + 1
+    status[STATUS_SEQ] = seq
+    status[STATUS_STREAM] = stream
+    status[STATUS_STAGE] = stage
+    status[STATUS_STARTED] = time.monotonic()
+    status[STATUS_VERSION] = v + 2
+
+
+def status_stage(status: Any, stage: int) -> None:
+    """The worker moves on to stage index ``stage`` of the same item."""
+    v = status[STATUS_VERSION]
+    status[STATUS_VERSION] = v + 1
+    status[STATUS_STAGE] = stage
+    status[STATUS_VERSION] = v + 2
+
+
+def status_idle(status: Any) -> None:
+    """The worker finished its chunk."""
+    v = status[STATUS_VERSION]
+    status[STATUS_VERSION] = v + 1
+    status[STATUS_STARTED] = 0.0
+    status[STATUS_VERSION] = v + 2
+
+
+def read_status(status: Any) -> tuple[int, int, int, float] | None:
+    """``(stream, seq, stage index, started)`` of the item a worker is on, or
+    ``None`` when it is idle; never a torn mix of two items."""
+    for _ in range(_STATUS_READ_TRIES):
+        v = status[STATUS_VERSION]
+        if int(v) % 2:
+            continue
+        started = status[STATUS_STARTED]
+        values = (int(status[STATUS_STREAM]), int(status[STATUS_SEQ]), int(status[STATUS_STAGE]))
+        if status[STATUS_VERSION] != v:
+            continue
+        return None if not started else (*values, started)
+    return None  # pragma: no cover - a writer stuck mid-write (killed): idle
+
+
+Undecodable = transport.Undecodable
+exception_text = transport.exception_text
+
+
+class StageFailure(NamedTuple):
+    """An exception raised by a worker stage for one input of a chunk
+    (or recorded by the main process for it: then ``text`` is the whole
+    message and ``exitcode`` the exit code of the worker it killed)."""
+
+    at: int  # input index within the chunk
+    stage: str | None
+    exc_type: str
+    message: str
+    traceback: str
+    text: str = ""
+    exitcode: int | None = None
+
+
+class ChunkResult(NamedTuple):
+    """What a chunk of inputs became.
+
+    ``outputs`` is flat; ``counts[i]`` is how many outputs input ``i`` made
+    (``None``: exactly one each); ``failures`` lists inputs whose stage raised.
+    """
+
+    outputs: list[Any]
+    counts: list[int] | None
+    failures: list[StageFailure] | None
+    elapsed_s: float
+
+
+class Chunk:
+    """Consecutive dispatched items (``first_seq`` …) sent as one message."""
+
+    __slots__ = (
+        "bad_skip",
+        "cid",
+        "closed",
+        "first_seq",
+        "held_bytes",
+        "items",
+        "per_item",
+        "pinned",
+        "raised_at",
+        "result",
+        "sent_gen",
+        "skip",
+        "skip_first",
+        "slot",
+        "stamps",
+        "unsendable",
+    )
+
+    def __init__(self, cid: int, first_seq: int, stamped: bool) -> None:
+        self.cid = cid
+        self.first_seq = first_seq
+        self.items: list[Any] = []
+        self.stamps: list[Any] | None = [] if stamped else None
+        self.slot = -1
+        self.sent_gen = -1
+        self.result: ChunkResult | None = None
+        self.skip: set[int] = set()  # input indexes not to run (poison items)
+        self.skip_first = 0  # outputs of input 0 delivered before a resume
+        self.bad_skip = ""  # why skip_first cannot be right (a damaged checkpoint)
+        self.closed = False
+        self.raised_at = -1  # input whose failure was raised to the consumer
+        # inputs that cannot be pickled (failures at the boundary stage) and
+        # poison items (with on_error="raise"): failures known before a result
+        self.unsendable: list[StageFailure] = []
+        self.pinned: Any = None  # a Future of the pinned outputs (pin_memory=True)
+        self.per_item = False  # items and outputs sealed one by one (see above)
+        self.held_bytes = 0  # bytes its result holds until delivered (dispatch.budget)
+
+
+class InFlight:
+    """The in-flight part of a checkpoint: inputs to dispatch again first."""
+
+    def __init__(
+        self,
+        first_seq: int,
+        items: list[Any],
+        stamps: list[Any] | None,
+        skip_outputs: int,
+        skip: Sequence[int],
+    ) -> None:
+        self.first_seq = first_seq
+        self.items = items
+        self.stamps = stamps
+        self.skip_outputs = skip_outputs
+        self.skip = set(skip)
+
+
+class Encoded(NamedTuple):
+    """A message serialised once, ready to be written to a connection."""
+
+    head: bytes
+    buffers: list[memoryview]
+
+
+def encode(obj: Any) -> Encoded:
+    """Serialise ``obj`` (raises whatever pickling raises)."""
+    message = transport.dumps(obj)
+    return Encoded(message.head, message.buffers)
+
+
+def send_encoded(conn: Connection, message: Encoded) -> None:
+    """Write an encoded message (blocks while the pipe is full)."""
+    transport.write(conn, transport.Message(message.head, message.buffers))
+
+
+def send(conn: Connection, obj: Any, ring: RingWriter | None = None) -> None:
+    """Encode and write one message (large buffers into ``ring`` if given)."""
+    transport.send(conn, obj, ring)
+
+
+# The prefix of a plain result message: run id, stream id, chunk id, elapsed s.
+_PLAIN_RESULT = struct.Struct("<qqqd")
+
+
+def send_result(
+    conn: Connection,
+    run_id: int,
+    stream: int,
+    cid: int,
+    result: ChunkResult,
+    per_item: bool,
+    ring: RingWriter | None = None,
+) -> None:
+    """Write a chunk's ``MSG_RESULT``: with no pickle when its outputs are
+    all plain tensors or arrays already in ``ring`` (one per input, no
+    failure; see :mod:`~centralpipe.dispatch.wire.plain`), else pickled with its
+    outputs sealed (raises whatever pickling raises)."""
+    if ring is not None and not per_item and result.counts is None and not result.failures:
+        prefix = _PLAIN_RESULT.pack(run_id, stream, cid, result.elapsed_s)
+        message = transport.dumps_plain(prefix, result.outputs)
+        if message is not None:
+            transport.write(conn, message, ring)
+            return
+    sealed = seal_outputs(result, per_item)
+    transport.send(conn, (MSG_RESULT, run_id, stream, cid, sealed), ring)
+
+
+def _unplain(obj: Any) -> Any:
+    """A received plain message as the ``MSG_RESULT`` it stands for."""
+    if type(obj) is not transport.Plain:
+        return obj
+    try:
+        run_id, stream, cid, elapsed = _PLAIN_RESULT.unpack(obj.prefix)
+    except struct.error:
+        raise EOFError("a plain message without a result prefix") from None
+    return (MSG_RESULT, run_id, stream, cid, ChunkResult(obj.outputs, None, None, elapsed))
+
+
+def recv(conn: Connection, ring: Ring | None = None) -> Any:
+    """Read one message written by :func:`send` / :func:`send_encoded` /
+    :func:`send_result` (``ring``: the sender's shared-memory ring, see
+    :mod:`~centralpipe.dispatch.wire.shm`)."""
+    return _unplain(transport.recv(conn, ring))
+
+
+def recv_counted(conn: Connection, ring: Ring | None = None) -> tuple[Any, int]:
+    """:func:`recv`, and the bytes the message takes in this process."""
+    obj, nbytes = transport.recv_counted(conn, ring)
+    return _unplain(obj), nbytes
+
+
+def chunk_message(
+    run_id: int,
+    stream: int,
+    chunk: Chunk,
+    epoch: int,
+    items: list[Any],
+    skip: frozenset[int],
+    rng_key: tuple[int, int],
+) -> tuple[Any, ...]:
+    """The ``MSG_CHUNK`` message of ``chunk`` (of stream ``stream``) with these items."""
+    sealed: Any = (
+        [transport.Sealed(x) for x in items] if chunk.per_item else transport.Sealed(items)
+    )
+    return (
+        MSG_CHUNK,
+        run_id,
+        stream,
+        chunk.cid,
+        epoch,
+        chunk.first_seq,
+        sealed,
+        skip,
+        chunk.per_item,
+        rng_key,
+    )
+
+
+def group_outputs(result: ChunkResult) -> ChunkResult:
+    """The result with its outputs grouped per input (a list per input)."""
+    counts = result.counts or [1] * len(result.outputs)
+    groups = []
+    pos = 0
+    for n in counts:
+        groups.append(result.outputs[pos : pos + n])
+        pos += n
+    return ChunkResult(groups, list(counts), result.failures, result.elapsed_s)
+
+
+def seal_outputs(result: ChunkResult, per_item: bool) -> ChunkResult:
+    """The result as a worker sends it: outputs sealed whole, or per input."""
+    if not per_item:
+        return result._replace(outputs=transport.Sealed(result.outputs))  # type: ignore[arg-type]
+    grouped = group_outputs(result)
+    return grouped._replace(outputs=[transport.Sealed(g) for g in grouped.outputs])
+
+
+def unseal_outputs(result: ChunkResult, stage: str | None, boundary: str) -> ChunkResult:
+    """A per-item result as the main process delivers it: inputs whose outputs
+    cannot be unpickled fail at ``stage``; inputs that could not be unpickled
+    in the worker (stage ``None``) fail at ``boundary``."""
+    failures = [
+        f if f.stage is not None else f._replace(stage=boundary) for f in result.failures or ()
+    ]
+    outputs: list[Any] = []
+    counts: list[int] = []
+    for i, group in enumerate(result.outputs):
+        if isinstance(group, Undecodable):
+            text = f"its result cannot be unpickled in the main process: {group.message}"
+            failures.append(StageFailure(i, stage, group.exc_type, text, ""))
+            counts.append(0)
+        else:
+            outputs.extend(group)
+            counts.append(len(group))
+    failures.sort(key=lambda f: f.at)
+    return ChunkResult(outputs, counts, failures or None, result.elapsed_s)
+
+
+def decode(message: Encoded) -> Any:
+    """Inverse of :func:`encode` (a fresh copy of the object)."""
+    return transport.loads(message.head, [bytearray(b) for b in message.buffers])
+
+
+def copy_items(items: list[Any]) -> list[Any]:
+    """A serialised round trip of ``items``: what a worker would receive."""
+    copied: list[Any] = transport.copy(items)
+    return copied
+
+
+def picklable_error(obj: Any, *, roundtrip: bool = False) -> Exception | None:
+    """``None`` when ``obj`` can be serialised (and, with ``roundtrip``,
+    unpickled again), else the exception."""
+    try:
+        if roundtrip:
+            transport.copy(obj)
+        else:
+            transport.dumps(obj)
+    except Exception as exc:
+        return exc
+    return None

@@ -1,0 +1,192 @@
+"""The worker stages of a pipeline, run over a chunk of dispatched items.
+
+The same :class:`WorkerChain` runs inside each worker process and inline in
+the main process (``num_workers=0``), so output does not depend on where it ran.
+Output depends only on ``(item, seed, epoch, seq)``: ``map(fn, with_rng=True)``
+gets a ``torch.Generator`` seeded from those and the stage name.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from centralpipe.dispatch.wire.protocol import (
+    ChunkResult,
+    StageFailure,
+    exception_text,
+    status_begin,
+    status_idle,
+    status_stage,
+)
+from centralpipe.plan.specs import WORKER_KINDS, StageSpec
+from centralpipe.seeding import derive_seed
+
+__all__ = ["WorkerChain", "is_stateful"]
+
+
+def is_stateful(fn: Any) -> bool:
+    """A worker-stage callable with ``state_dict``/``load_state_dict``."""
+    return callable(getattr(fn, "state_dict", None)) and callable(
+        getattr(fn, "load_state_dict", None)
+    )
+
+
+class WorkerChain:
+    """Runs the worker stages (``map``/``filter``/``flat_map``/``collate``)."""
+
+    def __init__(self, specs: Sequence[StageSpec], seed: int) -> None:
+        self.specs = tuple(specs)
+        self.seed = seed
+        self._stages = [(s.kind, s.name, s.fn, bool(s.options.get("with_rng"))) for s in specs]
+        # 1:1 chains (only maps/collates) skip the per-input output counts.
+        self.one_to_one = all(WORKER_KINDS[kind].outputs == "one" for kind, *_ in self._stages)
+        # Maps without rng run in a tight loop until one raises.
+        plain = self.one_to_one and not any(rng for *_, rng in self._stages)
+        self._plain_maps = [fn for _, _, fn, _ in self._stages] if plain else None
+        #: Applied to each final output as it is made (a worker process sets
+        #: it to move large outputs into its ring: ``dispatch.stash``).
+        self.keep: Callable[[Any], Any] | None = None
+
+    def _run_plain(
+        self, stream: int, first_seq: int, items: Sequence[Any], outputs: list[Any], status: Any
+    ) -> StageFailure | None:
+        """Run plain map stages over ``items`` into ``outputs`` until one
+        raises; that failure is returned (its item is ``len(outputs)``) so no
+        stage runs twice on an item."""
+        fns = self._plain_maps
+        assert fns is not None
+        keep = self.keep
+        if keep is None:
+            append = outputs.append
+        else:
+
+            def append(out: Any) -> None:
+                outputs.append(keep(out))
+
+        k = 0
+        try:
+            if status is None:
+                if len(fns) == 1:
+                    (fn,) = fns
+                    for item in items:
+                        append(fn(item))
+                else:
+                    for item in items:
+                        for k, fn in enumerate(fns):  # noqa: B007 - k is read by the except
+                            item = fn(item)
+                        append(item)
+            else:
+                for i, item in enumerate(items):
+                    status_begin(status, stream, first_seq + i, 0)
+                    for k, fn in enumerate(fns):
+                        if k:
+                            status_stage(status, k)
+                        item = fn(item)
+                    append(item)
+        except Exception as exc:
+            name = self._stages[k][1]
+            return StageFailure(
+                len(outputs), name, type(exc).__name__, exception_text(exc), traceback.format_exc()
+            )
+        return None
+
+    def run_chunk(
+        self,
+        epoch: int,
+        first_seq: int,
+        items: Sequence[Any],
+        skip: frozenset[int] = frozenset(),
+        status: Any = None,
+        stream: int = 0,
+        rng_key: tuple[int, int] | None = None,
+    ) -> ChunkResult:
+        """Run every input of a chunk; a failing input is recorded, not raised."""
+        key0, step = rng_key if rng_key is not None else (first_seq, 1)
+        start = time.perf_counter()
+        outputs: list[Any] = []
+        counts: list[int] = []
+        failures: list[StageFailure] = []
+        begin = 0
+        if self._plain_maps is not None and not skip:
+            failure = self._run_plain(stream, first_seq, items, outputs, status)
+            if failure is None:
+                if status is not None:
+                    status_idle(status)
+                return ChunkResult(outputs, None, None, time.perf_counter() - start)
+            # Item ``failure.at`` raised: record it and go on item by item.
+            failures.append(failure)
+            counts = [1] * failure.at + [0]
+            begin = failure.at + 1
+        stages = self._stages
+        for i in range(begin, len(items)):
+            item = items[i]
+            seq = first_seq + i
+            if status is not None:
+                status_begin(status, stream, seq, 0)
+            if i in skip:
+                counts.append(0)
+                continue
+            values = [item]
+            for stage_index, (kind, name, fn, with_rng) in enumerate(stages):
+                if status is not None and stage_index:
+                    status_stage(status, stage_index)
+                try:
+                    values = self._apply(kind, name, fn, with_rng, values, epoch, key0 + i * step)
+                except Exception as exc:
+                    failures.append(
+                        StageFailure(
+                            i, name, type(exc).__name__, exception_text(exc), traceback.format_exc()
+                        )
+                    )
+                    values = []
+                    break
+            outputs.extend(values if self.keep is None else map(self.keep, values))
+            counts.append(len(values))
+        if status is not None:
+            status_idle(status)
+        return ChunkResult(
+            outputs,
+            counts,
+            failures or None,
+            time.perf_counter() - start,
+        )
+
+    def _apply(
+        self,
+        kind: str,
+        name: str,
+        fn: Any,
+        with_rng: bool,
+        values: list[Any],
+        epoch: int,
+        seq: int,
+    ) -> list[Any]:
+        if kind in ("map", "collate"):
+            if with_rng:
+                rng = self.make_rng(epoch, seq, name)
+                return [fn(v, rng) for v in values]
+            return [fn(v) for v in values]
+        if kind == "filter":
+            return [v for v in values if fn(v)]
+        if kind == "flat_map":
+            return [out for v in values for out in fn(v)]
+        raise AssertionError(f"unknown worker stage kind {kind!r}")
+
+    def make_rng(self, epoch: int, seq: int, stage: str) -> Any:
+        import torch
+
+        rng = torch.Generator()
+        rng.manual_seed(derive_seed(self.seed, epoch, seq, stage))
+        return rng
+
+    @property
+    def stateful(self) -> bool:
+        """Some stage's callable keeps state (``worker_states()`` reads it)."""
+        return any(is_stateful(fn) for _, _, fn, _ in self._stages)
+
+    def states(self) -> dict[str, Any]:
+        """``state_dict()`` of each stateful worker-stage callable, by stage name."""
+        return {name: fn.state_dict() for _, name, fn, _ in self._stages if is_stateful(fn)}

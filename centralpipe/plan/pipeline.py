@@ -1,0 +1,491 @@
+"""The immutable pipeline builder.
+
+A :class:`Pipeline` is a tuple of frozen :class:`StageSpec` s. Every builder
+method validates its arguments and returns a *new* pipeline; building never
+starts a process or touches a file. ``dispatch()`` splits the plan: stages
+before it are *central* (run in the main process, stateful, checkpointed);
+stages after it are *worker* stages (stateless per-item functions run in worker
+processes, or inline with ``num_workers=0``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+from torchdata.nodes import BaseNode
+
+from centralpipe.errors import PipelineError
+from centralpipe.plan.specs import (
+    EQUALIZE,
+    WORKER_KINDS,
+    Placement,
+    StageSpec,
+    check_callable,
+    check_decode_errors,
+    check_int,
+    check_line_encoding,
+    check_name,
+    dataset_spec,
+    files_spec,
+    iterable_spec,
+    node_spec,
+)
+
+__all__ = ["WORKER_KINDS", "Pipeline", "StageSpec"]
+
+
+class Pipeline:
+    """An immutable plan of stages; see the module docstring.
+
+    Build with a source classmethod, chain stages, and hand it to
+    :class:`~centralpipe.Loader`::
+
+        pipe = Pipeline.from_iterable(range(10)).map(f).dispatch().map(g)
+    """
+
+    __slots__ = ("_specs",)
+
+    def __init__(self, specs: tuple[StageSpec, ...]) -> None:
+        if not specs or specs[0].placement != "source":
+            msg = "a Pipeline starts with a source: use Pipeline.from_iterable/from_files/..."
+            raise PipelineError(msg)
+        self._specs = specs
+
+    # -- sources -------------------------------------------------------------
+
+    @classmethod
+    def from_iterable(cls, iterable: Any, /, *, name: str = "source") -> Pipeline:
+        """Items of a re-iterable: a sequence (resumes by index), a zero-argument
+        callable returning a fresh iterator, or an object whose ``iter()`` gives
+        a fresh iterator each time (both resume by skipping forward).
+
+        An object with ``state_dict()`` and ``load_state_dict()`` (a Hugging
+        Face ``datasets.IterableDataset``) is checkpointed through them, never
+        by skipping forward; one that says it cannot resume exactly (a shuffle
+        buffer) is refused when the Loader starts.
+
+        A one-shot iterator (a generator, ``iter(x)``) cannot start a second
+        epoch and is refused; wrap it in a function instead.
+        """
+        return cls((iterable_spec(iterable, name),))
+
+    @classmethod
+    def from_files(
+        cls,
+        paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        /,
+        *,
+        name: str = "files",
+    ) -> Pipeline:
+        """File paths: a glob (matches sorted; resolved when the Loader starts) or
+        a sequence of paths kept in the given order. Yields ``str`` paths."""
+        return cls((files_spec(paths, name),))
+
+    @classmethod
+    def from_dataset(cls, dataset: Any, /, *, name: str = "dataset") -> Pipeline:
+        """``dataset[i]`` for ``i`` in ``range(len(dataset))``, resuming by index."""
+        return cls((dataset_spec(dataset, name),))
+
+    @classmethod
+    def from_node(cls, node: BaseNode[Any], /, *, name: str = "node") -> Pipeline:
+        """Any ``torchdata.nodes.BaseNode``; its own ``state_dict`` is checkpointed."""
+        return cls((node_spec(node, name),))
+
+    @classmethod
+    def mix(
+        cls,
+        pipelines: Mapping[str, Pipeline],
+        /,
+        weights: Mapping[str, float],
+        *,
+        stop: Literal["first_exhausted", "all_exhausted", "never"] = "all_exhausted",
+        name: str = "mix",
+    ) -> Pipeline:
+        """Items drawn from several sub-pipelines (central stages only) with
+        probability proportional to ``weights``, seeded by ``(seed, epoch,
+        name)``. ``stop``: ``"first_exhausted"`` ends the epoch when a drawn
+        source ends; ``"all_exhausted"`` drops ended sources and renormalises;
+        ``"never"`` restarts an ended source (its next pass, re-seeded). A
+        sub-pipeline stage ``s`` of source ``key`` is named ``name/key/s``. A
+        checkpoint resumes under changed weights."""
+        from centralpipe.stages.mix import mix_spec
+
+        return cls((mix_spec(pipelines, weights, stop, name),))
+
+    # -- central stages ------------------------------------------------------
+
+    def read_lines(
+        self, *, encoding: str = "utf-8", errors: str = "strict", name: str | None = None
+    ) -> Pipeline:
+        """Paths in, lines out (``str``, without ``\\n`` or a trailing ``\\r``);
+        resumes by (file, byte offset) without re-reading. ``errors`` is
+        ``open()``'s: ``"strict"`` (a line that does not decode raises, naming
+        file and offset), ``"replace"``, ``"ignore"``, ``"backslashreplace"``
+        or ``"surrogateescape"``."""
+        stage = name or self._default_name("read_lines")
+        check_line_encoding(encoding, stage)
+        check_decode_errors(errors, stage)
+        options = {"encoding": encoding, "errors": errors}
+        return self._add("read_lines", name, "central", options=options)
+
+    def read_jsonl(
+        self,
+        *,
+        field: str | Callable[[Any], Any] | None = None,
+        errors: Literal["strict", "skip"] = "strict",
+        name: str | None = None,
+    ) -> Pipeline:
+        """Paths in, one item per JSON line out: the record, ``record[field]``
+        (a str) or ``field(record)`` (a callable). Plain, ``.gz`` and ``.zst``
+        files; resumes by (file, position) without replaying. A malformed line
+        raises ``ValueError`` naming file and line; ``errors="skip"`` skips
+        and counts it (``skipped`` in ``Loader.query(name)``)."""
+        stage = name or self._default_name("read_jsonl")
+        if field is not None and not isinstance(field, str) and not callable(field):
+            msg = (
+                f"stage '{stage}': `field` must be None, a str (a key of each record) or a "
+                f"callable (record -> item), got {field!r}."
+            )
+            raise PipelineError(msg)
+        if errors not in ("strict", "skip"):
+            msg = f"stage '{stage}': `errors` must be 'strict' or 'skip', got {errors!r}."
+            raise PipelineError(msg)
+        options = {"field": field, "errors": errors}
+        return self._add("read_jsonl", name, "central", options=options)
+
+    def read_parquet(
+        self,
+        *,
+        columns: Sequence[str] | None = None,
+        batch_rows: int | None = None,
+        name: str | None = None,
+    ) -> Pipeline:
+        """Paths in, Parquet rows out: a dict per row of the chosen ``columns``
+        (all when ``None``), or with ``batch_rows`` a ``pyarrow.RecordBatch``
+        of up to that many rows of one row group. Reads one row group at a
+        time; resumes at (file, row group, row). Needs ``centralpipe[parquet]``."""
+        import importlib.util
+
+        stage = name or self._default_name("read_parquet")
+        if importlib.util.find_spec("pyarrow") is None:
+            msg = (
+                f"stage '{stage}': read_parquet needs the optional package 'pyarrow'; "
+                "install it with: pip install 'centralpipe[parquet]'."
+            )
+            raise PipelineError(msg)
+        if columns is not None:
+            if isinstance(columns, str) or not isinstance(columns, Sequence):
+                msg = f"stage '{stage}': `columns` must be None or a list of str, got {columns!r}."
+                raise PipelineError(msg)
+            bad = [c for c in columns if not isinstance(c, str)]
+            if bad or not columns:
+                got = bad[0] if bad else "an empty list"
+                msg = f"stage '{stage}': `columns` must be None or a list of str, got {got!r}."
+                raise PipelineError(msg)
+            columns = tuple(columns)
+        if batch_rows is not None:
+            check_int(batch_rows, "batch_rows", stage, 1)
+        options = {"columns": columns, "batch_rows": batch_rows}
+        return self._add("read_parquet", name, "central", options=options)
+
+    def map(
+        self,
+        fn: Callable[..., Any],
+        /,
+        *,
+        parallel: bool = False,
+        with_rng: bool = False,
+        name: str | None = None,
+    ) -> Pipeline:
+        """``fn(item)`` for each item. After ``dispatch()`` it runs in workers.
+        Before it, ``parallel=True`` runs it in the workers too, its outputs
+        re-entering the central chain in order. In workers (either way)
+        ``with_rng=True`` calls ``fn(item, rng)`` with a ``torch.Generator``
+        seeded from ``(seed, epoch, index of the item in this stage's input)``."""
+        options = self._transform_options("map", name, parallel, with_rng)
+        return self._add("map", name, self._placement_for("map"), fn=fn, options=options)
+
+    def filter(
+        self, pred: Callable[[Any], bool], /, *, parallel: bool = False, name: str | None = None
+    ) -> Pipeline:
+        """Keep the items for which ``pred(item)`` is true (``parallel``: see ``map``)."""
+        options = self._transform_options("filter", name, parallel, False)
+        return self._add("filter", name, self._placement_for("filter"), fn=pred, options=options)
+
+    def flat_map(
+        self,
+        fn: Callable[[Any], Iterable[Any]],
+        /,
+        *,
+        parallel: bool = False,
+        name: str | None = None,
+    ) -> Pipeline:
+        """Each item becomes the items of the iterable ``fn(item)`` (``parallel``: see ``map``)."""
+        options = self._transform_options("flat_map", name, parallel, False)
+        placement = self._placement_for("flat_map")
+        return self._add("flat_map", name, placement, fn=fn, options=options)
+
+    def _transform_options(
+        self, kind: str, name: str | None, parallel: Any, with_rng: Any
+    ) -> dict[str, Any]:
+        stage = name or self._default_name(kind)
+        for flag, value in (("parallel", parallel), ("with_rng", with_rng)):
+            if not isinstance(value, bool):
+                raise PipelineError(f"stage '{stage}': `{flag}` must be a bool, got {value!r}.")
+        central = self._dispatch_index() is None
+        if parallel and not central:
+            msg = (
+                f"stage '{stage}': parallel=True is for stages before dispatch(); after "
+                f"dispatch() ('{self.dispatch_name}') {kind}() already runs in the workers."
+            )
+            raise PipelineError(msg)
+        if with_rng and central and not parallel:
+            msg = (
+                f"stage '{stage}': with_rng=True is for worker maps (after dispatch()) and "
+                "parallel maps: pass parallel=True; an inline central map sees items in a "
+                "fixed order and can keep its own seeded generator."
+            )
+            raise PipelineError(msg)
+        options: dict[str, Any] = {}
+        if kind == "map":
+            options["with_rng"] = with_rng
+        if parallel:
+            options["parallel"] = True
+        return options
+
+    def batch(
+        self, batch_size: int, /, *, drop_last: bool = False, name: str | None = None
+    ) -> Pipeline:
+        """Lists of ``batch_size`` items (the last may be shorter unless ``drop_last``)."""
+        stage = name or self._default_name("batch")
+        check_int(batch_size, "batch_size", stage, 1)
+        return self._add(
+            "batch",
+            name,
+            "central",
+            options={"batch_size": batch_size, "drop_last": bool(drop_last)},
+        )
+
+    def bucket_by_max_tokens(
+        self,
+        max_tokens: int,
+        /,
+        *,
+        len_fn: Callable[[Any], int] = len,
+        buffer_size: int | None = 1000,
+        min_len: int = 0,
+        max_len: int | None = None,
+        include_padding: bool = False,
+        name: str | None = None,
+    ) -> Pipeline:
+        """Batches whose total length (or ``longest * size`` with
+        ``include_padding``) is at most ``max_tokens``, made from a buffer of
+        ``buffer_size`` items (``None``: the whole epoch) popped shortest first,
+        as torchdata's ``MaxTokenBucketizer``. Items whose length is outside
+        ``[min_len, max_len]`` are dropped; one longer than ``max_tokens`` is
+        emitted alone. Equal lengths keep arrival order."""
+        stage = name or self._default_name("bucket_by_max_tokens")
+        check_int(max_tokens, "max_tokens", stage, 1)
+        check_callable(len_fn, "`len_fn`", stage)
+        if buffer_size is not None:
+            check_int(buffer_size, "buffer_size", stage, 1)
+        check_int(min_len, "min_len", stage, 0)
+        if max_len is not None:
+            check_int(max_len, "max_len", stage, min_len)
+        options = {
+            "max_tokens": max_tokens,
+            "buffer_size": buffer_size,
+            "min_len": min_len,
+            "max_len": max_len,
+            "include_padding": bool(include_padding),
+        }
+        return self._add("bucket_by_max_tokens", name, "central", fn=len_fn, options=options)
+
+    def pack(
+        self,
+        max_tokens: int,
+        /,
+        *,
+        len_fn: Callable[[Any], int] = len,
+        strategy: Literal["first_fit", "best_fit"] = "best_fit",
+        buffer_size: int = 1000,
+        oversize: Literal["raise", "drop"] = "raise",
+        name: str | None = None,
+    ) -> Pipeline:
+        """Lists of items whose summed ``len_fn`` is at most ``max_tokens``,
+        packed online into open groups (``"first_fit"``: the oldest group the
+        item fits in; ``"best_fit"``: the one it fills most). A group leaves
+        when full, or oldest first once the open groups hold more than
+        ``buffer_size`` items. An item longer than ``max_tokens`` raises
+        ``PipelineError`` at iteration (``oversize="raise"``) or is dropped and
+        counted (``"drop"``). ``query(name)`` reports the fill rate so far."""
+        from centralpipe.stages.pack import OVERSIZE, STRATEGIES
+
+        stage = name or self._default_name("pack")
+        check_int(max_tokens, "max_tokens", stage, 1)
+        check_callable(len_fn, "`len_fn`", stage)
+        check_int(buffer_size, "buffer_size", stage, 1)
+        if strategy not in STRATEGIES:
+            msg = f"stage '{stage}': `strategy` must be one of {STRATEGIES}, got {strategy!r}."
+            raise PipelineError(msg)
+        if oversize not in OVERSIZE:
+            msg = f"stage '{stage}': `oversize` must be one of {OVERSIZE}, got {oversize!r}."
+            raise PipelineError(msg)
+        options = {
+            "max_tokens": max_tokens,
+            "strategy": strategy,
+            "buffer_size": buffer_size,
+            "oversize": oversize,
+        }
+        return self._add("pack", name, "central", fn=len_fn, options=options)
+
+    def shuffle(self, buffer_size: int, /, *, name: str | None = None) -> Pipeline:
+        """Buffered shuffle seeded by ``(seed, epoch)``; the buffer and the
+        generator state are checkpointed."""
+        stage = name or self._default_name("shuffle")
+        check_int(buffer_size, "buffer_size", stage, 1)
+        return self._add("shuffle", name, "central", options={"buffer_size": buffer_size})
+
+    def count(
+        self, name: str | None = None, *, weight_fn: Callable[[Any], float] | None = None
+    ) -> Pipeline:
+        """Pass items through, counting them: state ``{"items": n, "weight": w}``
+        where ``w`` sums ``weight_fn(item)`` (or counts items)."""
+        if callable(name):
+            fn_name = getattr(name, "__name__", "fn")
+            msg = (
+                f"count() takes the stage's name first and the weight function by keyword: "
+                f'write .count("pre_shard", weight_fn={fn_name}), got {name!r} as the name.'
+            )
+            raise PipelineError(msg)
+        if weight_fn is not None:
+            check_callable(weight_fn, "`weight_fn`", name or self._default_name("count"))
+        return self._add("count", name, "central", fn=weight_fn)
+
+    def shard(
+        self, *, equalize: Literal["drop_last", "pad"] | None = None, name: str | None = None
+    ) -> Pipeline:
+        """Keep central index ``i`` when ``i % world_size == rank``. ``equalize``
+        gives every rank the same count: ``"drop_last"`` drops the last
+        incomplete round, ``"pad"`` completes it with that round's items."""
+        if equalize not in EQUALIZE:
+            msg = (
+                f"stage '{name or self._default_name('shard')}': `equalize` must be None, "
+                f"'drop_last' or 'pad', got {equalize!r}."
+            )
+            raise PipelineError(msg)
+        return self._add("shard", name, "central", options={"equalize": equalize})
+
+    def dispatch(self, *, name: str = "dispatch") -> Pipeline:
+        """The round-robin boundary: stages after it run in worker processes."""
+        if self._dispatch_index() is not None:
+            msg = (
+                f"stage '{name}': dispatch() was already called "
+                f"('{self._specs[self._dispatch_index() or 0].name}'); a pipeline has at most one."
+            )
+            raise PipelineError(msg)
+        return self._add("dispatch", name, "dispatch")
+
+    # -- worker stages ---------------------------------------------------------
+
+    def collate(
+        self, fn: Callable[[Any], Any] | None = None, /, *, name: str | None = None
+    ) -> Pipeline:
+        """Worker stage: ``fn(item)`` (default ``torch.utils.data.default_collate``)
+        on each item, typically a list made by ``batch()``."""
+        stage = name or self._default_name("collate")
+        if self._dispatch_index() is None:
+            msg = (
+                f"stage '{stage}': collate() is a worker stage; call dispatch() first "
+                "(or use map() for a central function)."
+            )
+            raise PipelineError(msg)
+        if fn is None:
+            from torch.utils.data import default_collate
+
+            fn = default_collate
+        return self._add("collate", name, "worker", fn=fn)
+
+    # -- introspection -------------------------------------------------------
+
+    @property
+    def stages(self) -> tuple[StageSpec, ...]:
+        """All stage specs in order."""
+        return self._specs
+
+    @property
+    def central_stages(self) -> tuple[StageSpec, ...]:
+        """Source and central stages (before ``dispatch()``)."""
+        idx = self._dispatch_index()
+        return self._specs if idx is None else self._specs[:idx]
+
+    @property
+    def worker_stages(self) -> tuple[StageSpec, ...]:
+        """Stages after ``dispatch()`` (empty without one)."""
+        idx = self._dispatch_index()
+        return () if idx is None else self._specs[idx + 1 :]
+
+    @property
+    def dispatch_name(self) -> str | None:
+        idx = self._dispatch_index()
+        return None if idx is None else self._specs[idx].name
+
+    def fingerprint(self) -> list[list[str]]:
+        """``[[name, kind], ...]`` of every stage: what a checkpoint must match."""
+        return [[s.name, s.kind] for s in self._all_specs()]
+
+    def describe(self) -> str:
+        return "\n".join(s.describe() for s in self._specs)
+
+    def __repr__(self) -> str:
+        inner = " -> ".join(f"{s.kind}:{s.name}" for s in self._specs)
+        return f"Pipeline({inner})"
+
+    # -- internals -------------------------------------------------------------
+
+    def _all_specs(self) -> list[StageSpec]:
+        """Every stage, with those inside ``mix`` sources after their mix."""
+        from centralpipe.stages.mix import inner_specs
+
+        return [x for s in self._specs for x in (s, *inner_specs(s))]
+
+    def _dispatch_index(self) -> int | None:
+        for i, spec in enumerate(self._specs):
+            if spec.placement == "dispatch":
+                return i
+        return None
+
+    def _default_name(self, kind: str) -> str:
+        return f"{kind}_{len(self._specs)}"
+
+    def _placement_for(self, kind: str) -> Placement:
+        return "central" if self._dispatch_index() is None else "worker"
+
+    def _add(
+        self,
+        kind: str,
+        name: str | None,
+        placement: Placement,
+        *,
+        fn: Any = None,
+        options: dict[str, Any] | None = None,
+    ) -> Pipeline:
+        stage = self._default_name(kind) if name is None else name
+        check_name(stage)
+        if placement == "central" and self._dispatch_index() is not None:
+            msg = (
+                f"stage '{stage}': {kind}() is a central (stateful) stage and cannot come after "
+                f"dispatch() ('{self.dispatch_name}'); move it before .dispatch(). Only map, "
+                "filter, flat_map and collate run in workers."
+            )
+            raise PipelineError(msg)
+        if fn is not None or kind in WORKER_KINDS:
+            check_callable(fn, "the function", stage)
+        taken = {s.name for s in self._all_specs()}
+        if stage in taken:
+            msg = f"stage name '{stage}' is already used in this pipeline; pass a unique name=."
+            raise PipelineError(msg)
+        spec = StageSpec(kind, stage, placement, fn=fn, options=dict(options or {}))
+        return Pipeline((*self._specs, spec))

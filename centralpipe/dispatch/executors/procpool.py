@@ -7,9 +7,12 @@ worker reading gets EOF, one writing gets EPIPE) → join → terminate → kill
 each bounded.
 """
 
+import _thread
 import mmap
 import multiprocessing as mp
 import os
+import threading
+import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -28,6 +31,8 @@ _JOIN_TIMEOUT_S = 2.0
 _TERMINATE_TIMEOUT_S = 1.0
 _KILL_TIMEOUT_S = 5.0
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+#: How often the main thread looks whether a fork it handed to a helper thread is done.
+_FORK_POLL_S = 0.0005
 #: What the forkserver imports once, before it forks any worker, unless told
 #: otherwise: the worker loop (torch-free; see dispatch.preload). The user's
 #: stage functions are imported by each worker; their modules may not be
@@ -131,7 +136,10 @@ class ProcessPool(Executor):
             proc = self.ctx.Process(
                 target=worker_main, args=args, name=f"centralpipe-worker-{slot.index}", daemon=True
             )
-            proc.start()
+            if self.start_method == "fork":
+                _fork_off_the_main_thread(proc)
+            else:
+                proc.start()
             # The ring is the first thing on the pipe; a worker already gone
             # is noticed by its sentinel and replaced like any dead worker.
             if ring is not None:
@@ -317,6 +325,52 @@ class ProcessPool(Executor):
         self._wake_r.close()
         self._wake_w.close()
         self.shut = True
+
+
+def _fork_off_the_main_thread(proc: Any) -> None:
+    """``proc.start()`` for a ``fork`` worker, never forking in the main thread.
+
+    ``os.fork()`` runs Python's at-fork hooks in the forking thread (logging
+    takes its module lock before the fork and releases it after, in Python
+    code), and an exception raised in a hook is printed and dropped. In the
+    main thread a Ctrl-C can land in the hook that releases logging's lock:
+    the lock then stays held and the next log call of any thread (a worker's
+    death warning) waits forever. Signal handlers run only in the main
+    thread, so a helper thread's hooks run to their end. The caller waits for
+    the fork whatever lands meanwhile (it takes milliseconds), then raises a
+    Ctrl-C that came in the wait, with the process started and known."""
+    if threading.current_thread() is not threading.main_thread():
+        proc.start()
+        return
+    failed: list[BaseException] = []
+    # Plain lists, not a threading.Event: its Python-level Condition is not
+    # safe against a Ctrl-C in wait() ("release unlocked lock").
+    finished: list[bool] = []
+
+    def start() -> None:
+        try:
+            proc.start()
+        except BaseException as exc:
+            failed.append(exc)
+        finally:
+            finished.append(True)
+
+    interrupted: BaseException | None = None
+    try:
+        # A C call: a Ctrl-C raised here is handled as it returns, so the
+        # thread has started whenever this block is left by one.
+        _thread.start_new_thread(start, ())
+    except BaseException as exc:
+        interrupted = exc
+    while not finished:
+        try:
+            time.sleep(_FORK_POLL_S)
+        except BaseException as exc:  # a Ctrl-C in the wait: the fork still finishes
+            interrupted = exc
+    if failed:
+        raise failed[0]
+    if interrupted is not None:
+        raise interrupted
 
 
 def _close_death(slot: Slot) -> None:

@@ -333,3 +333,36 @@ def test_parallel_inside_a_mix_sub_pipeline_is_refused() -> None:
     other = cp.Pipeline.from_iterable(range(4))
     with pytest.raises(cp.PipelineError, match=r"'sq' \(map, parallel\)"):
         cp.Pipeline.mix({"a": inner, "b": other}, weights={"a": 1, "b": 1})
+
+
+def _plus_one(x: int) -> int:
+    return x + 1
+
+
+@pytest.mark.parametrize(
+    ("saved_parallel", "now_parallel", "says"),
+    [
+        (True, False, "ran in worker processes (parallel=True) when the checkpoint was taken"),
+        (False, True, "ran in the main process when the checkpoint was taken, and is parallel"),
+    ],
+    ids=["parallel-then-not", "not-then-parallel"],
+)
+def test_a_checkpoint_from_another_parallel_option_says_the_pipeline_differs(
+    saved_parallel: bool, now_parallel: bool, says: str
+) -> None:
+    """Loading a checkpoint into the same stages with another ``parallel=`` is a
+    CheckpointError that names the stage and the option, not "damaged"."""
+
+    def pipe(parallel: bool) -> cp.Pipeline:
+        return cp.Pipeline.from_iterable(range(20)).map(_plus_one, parallel=parallel).dispatch()
+
+    config = cp.LoaderConfig(workers=cp.WorkerConfig(num_workers=2, start_method="fork"))
+    with cp.Loader(pipe(saved_parallel), config) as loader:
+        it = iter(loader)
+        assert [next(it) for _ in range(3)] == [1, 2, 3]
+        state = loader.state_dict()
+    with cp.Loader(pipe(now_parallel), config) as loader, pytest.raises(cp.CheckpointError) as info:
+        loader.load_state_dict(state)
+    text = str(info.value)
+    assert "different pipeline" in text and "stage 'map_1'" in text and says in text
+    assert "damaged" not in text

@@ -76,6 +76,7 @@ def check_pipeline(ckpt: Checkpoint, want: Expected) -> dict[str, Any]:
         extra = [n for n in ckpt.central if n not in names]
         _fail("central", f"one state per central stage (missing {missing})", f"extra {extra}")
     if sorted(ckpt.in_flight) != sorted(want.boundaries):
+        _parallel_mismatch(list(ckpt.in_flight), want.boundaries, names)
         _fail("in_flight", f"keyed by boundary {want.boundaries}", sorted(ckpt.in_flight))
     states: dict[str, Any] = {}
     for node in want.nodes:
@@ -187,6 +188,30 @@ def _check_boundary(
 
 def _stamp_value(kind: str, state: Any) -> int:
     return int(state.index if kind == "shard" else state.items)
+
+
+def _parallel_mismatch(got: list[str], boundaries: list[str], names: list[str]) -> None:
+    """Raise if the in-flight keys differ only in which stages are parallel:
+    the fingerprint (names and kinds) matched, so the pipeline differs in a
+    stage's ``parallel=`` option, not the checkpoint in its data."""
+    was = [n for n in got if n not in boundaries and n in names]
+    now = [n for n in boundaries if n not in got and n in names]
+    if (not was and not now) or sorted(set(got) - set(was)) != sorted(set(boundaries) - set(now)):
+        return
+    parts = [
+        f"stage '{n}' ran in worker processes (parallel=True) when the checkpoint was "
+        "taken, and runs in the main process now"
+        for n in was
+    ] + [
+        f"stage '{n}' ran in the main process when the checkpoint was taken, and is "
+        "parallel=True now"
+        for n in now
+    ]
+    msg = (
+        f"checkpoint is from a different pipeline: {'; '.join(parts)}. Build the pipeline "
+        "with the same parallel= options as when the checkpoint was taken to resume it."
+    )
+    raise CheckpointError(msg)
 
 
 def _fingerprint_diff(ckpt: list[Any], current: list[list[str]]) -> str:

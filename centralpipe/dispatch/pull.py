@@ -150,6 +150,15 @@ def _keep(s: Stream, chunk: Chunk, counted: list[int]) -> None:
             stamps.append(s._stamp_now())
     finally:
         with s.lock:
+            n = len(chunk.items)
+            if stamps is not None and len(stamps) > n:
+                # Cut between a resumed item's stamp and its append.
+                del stamps[n:]
+            # Cut between a resumed item's append and its popleft: it is in
+            # the chunk (its seq is in the chunk's range), so it leaves resume.
+            resume = s._resume
+            while resume and chunk.first_seq <= resume[0][0] < chunk.first_seq + n:
+                resume.popleft()
             _count(s, chunk, counted)
             if chunk.closed:
                 pass

@@ -13,9 +13,9 @@ import multiprocessing as mp
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, TypeVar
 
 from centralpipe.dispatch.executors.pool import ABANDON_ALL, Event, Executor, Slot, describe_exit
 from centralpipe.dispatch.wire import protocol, shm
@@ -31,8 +31,9 @@ _JOIN_TIMEOUT_S = 2.0
 _TERMINATE_TIMEOUT_S = 1.0
 _KILL_TIMEOUT_S = 5.0
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
-#: How often the main thread looks whether a fork it handed to a helper thread is done.
+#: How often the main thread looks whether a step it handed to a helper thread is done.
 _FORK_POLL_S = 0.0005
+T = TypeVar("T")
 #: What the forkserver imports once, before it forks any worker, unless told
 #: otherwise: the worker loop (torch-free; see dispatch.preload). The user's
 #: stage functions are imported by each worker; their modules may not be
@@ -80,7 +81,7 @@ class ProcessPool(Executor):
         page = mmap.PAGESIZE
         self.ring_bytes = -(-ring_bytes // page) * page if shm.available() else 0
         self._closed_ring_bytes = [0, 0, 0]  # counters of rings already closed
-        self.current_run = self.ctx.RawValue("q", 0)
+        self.current_run = _off_the_main_thread(lambda: self.ctx.RawValue("q", 0))
         # A pipe to ourselves: interrupt() makes wait() return at once.
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
         self._paused: frozenset[int] = frozenset()
@@ -116,7 +117,10 @@ class ProcessPool(Executor):
                 self._rings = [r for r in self._rings if not r.released_all()]
                 ring = shm.Ring(self.ring_bytes)
                 self._rings.append(ring)
-            slot.status = self.ctx.RawArray("d", STATUS_LEN)
+            # Off the main thread too: multiprocessing's heap makes a file in
+            # /dev/shm and unlinks it in Python code, which a Ctrl-C can cut
+            # between the two (the file then stays for good).
+            slot.status = _off_the_main_thread(lambda: self.ctx.RawArray("d", STATUS_LEN))
             close_fds = (
                 [*self._parent_fds(), parent.fileno(), death_w.fileno()]
                 + (ring.fds() if ring is not None else [])
@@ -137,7 +141,7 @@ class ProcessPool(Executor):
                 target=worker_main, args=args, name=f"centralpipe-worker-{slot.index}", daemon=True
             )
             if self.start_method == "fork":
-                _fork_off_the_main_thread(proc)
+                _off_the_main_thread(proc.start)
             else:
                 proc.start()
             # The ring is the first thing on the pipe; a worker already gone
@@ -327,29 +331,30 @@ class ProcessPool(Executor):
         self.shut = True
 
 
-def _fork_off_the_main_thread(proc: Any) -> None:
-    """``proc.start()`` for a ``fork`` worker, never forking in the main thread.
+def _off_the_main_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` run in a helper thread when called from the main thread.
 
-    ``os.fork()`` runs Python's at-fork hooks in the forking thread (logging
-    takes its module lock before the fork and releases it after, in Python
-    code), and an exception raised in a hook is printed and dropped. In the
-    main thread a Ctrl-C can land in the hook that releases logging's lock:
-    the lock then stays held and the next log call of any thread (a worker's
-    death warning) waits forever. Signal handlers run only in the main
-    thread, so a helper thread's hooks run to their end. The caller waits for
-    the fork whatever lands meanwhile (it takes milliseconds), then raises a
-    Ctrl-C that came in the wait, with the process started and known."""
+    For the few steps whose cleanup is Python code that a Ctrl-C must not
+    cut short. ``os.fork()`` runs Python's at-fork hooks in the forking
+    thread (logging takes its module lock before the fork and releases it
+    after, in Python code), and an exception raised in a hook is printed and
+    dropped: in the main thread a Ctrl-C landing in the hook that releases
+    logging's lock leaves the lock held, and the next log call of any thread
+    (a worker's death warning) waits forever. Signal handlers run only in
+    the main thread, so the helper's steps run to their end. The caller
+    waits for them whatever lands meanwhile (they take milliseconds), then
+    raises a Ctrl-C that came in the wait, with ``fn``'s effect complete."""
     if threading.current_thread() is not threading.main_thread():
-        proc.start()
-        return
+        return fn()
+    result: list[T] = []
     failed: list[BaseException] = []
     # Plain lists, not a threading.Event: its Python-level Condition is not
     # safe against a Ctrl-C in wait() ("release unlocked lock").
     finished: list[bool] = []
 
-    def start() -> None:
+    def run() -> None:
         try:
-            proc.start()
+            result.append(fn())
         except BaseException as exc:
             failed.append(exc)
         finally:
@@ -359,18 +364,19 @@ def _fork_off_the_main_thread(proc: Any) -> None:
     try:
         # A C call: a Ctrl-C raised here is handled as it returns, so the
         # thread has started whenever this block is left by one.
-        _thread.start_new_thread(start, ())
+        _thread.start_new_thread(run, ())
     except BaseException as exc:
         interrupted = exc
     while not finished:
         try:
             time.sleep(_FORK_POLL_S)
-        except BaseException as exc:  # a Ctrl-C in the wait: the fork still finishes
+        except BaseException as exc:  # a Ctrl-C in the wait: fn still finishes
             interrupted = exc
     if failed:
         raise failed[0]
     if interrupted is not None:
         raise interrupted
+    return result[0]
 
 
 def _close_death(slot: Slot) -> None:

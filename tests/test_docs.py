@@ -95,6 +95,19 @@ def test_every_block_is_python_or_marked(page: Path) -> None:
         compile(code, f"{page.name} block", "exec")
 
 
+def _run(script: Path, *, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``python script`` in ``cwd``, importing this checkout's centralpipe."""
+    return subprocess.run(
+        [sys.executable, str(script)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
 @pytest.mark.timeout(RUN_TIMEOUT_S + 30)
 @pytest.mark.parametrize("page", RUNNABLE, ids=lambda p: p.name)
 def test_page_runs(page: Path, tmp_path: Path) -> None:
@@ -105,15 +118,7 @@ def test_page_runs(page: Path, tmp_path: Path) -> None:
             shutil.copy(path, data / path.name)
     script = tmp_path / f"{page.stem}_doc.py"
     script.write_text(as_script(PRELUDE + "\n\n".join(_runnable(page))))
-    proc = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-        check=False,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    proc = _run(script, cwd=tmp_path)
     assert proc.returncode == 0, f"{page.name}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
@@ -131,15 +136,7 @@ if __name__ == "__main__":
 """
     script = tmp_path / "readme_snippet.py"
     script.write_text(code + check)
-    proc = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-        check=False,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    proc = _run(script, cwd=ROOT)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert "README-OK 10 " in proc.stdout
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,19 @@ CORPUS: dict[str, bytes] = {
     "b_no_trailing_newline.txt": b"alpha\nbeta\ngamma",
     "c_unicode_crlf.txt": "naïve café\r\nЖёлтый 日本語 🙂\r\n\r\nlast line\r\n".encode(),
 }
+
+
+@pytest.fixture(autouse=True, scope="session")
+def ctrl_c_raises() -> Iterator[None]:
+    """Ctrl-C raises ``KeyboardInterrupt`` in the tests, however pytest was
+    started: a shell starts a background job (``make test &``) with SIGINT
+    ignored, Python then installs no handler, and the tests that send real
+    SIGINTs (and their subprocesses, which inherit the ignore) would see none
+    land. Installing the handler also gives subprocesses the default again."""
+    before = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
 
 
 @pytest.fixture(autouse=True)

@@ -27,8 +27,10 @@ demo-distributed: $(STAMP)
 		--master_addr=127.0.0.1 --master_port=$${PORT:-29533} \
 		examples/token_buckets.py --workers 2 --distributed
 
+# One pytest worker per core (at most 4); each module stays on one worker, so a
+# module's fixtures (a torchrun launch, a built corpus) run once.
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --maxprocesses=4 --dist loadscope
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check .

@@ -8,7 +8,10 @@ forks for a test are, since they are workers like any other.
 
 ``/dev/shm`` is shared by every process of the machine: an entry that appears
 during a test and is gone again within the settle time is someone's short-lived
-segment (torch and multiprocessing unlink theirs at once), not a leak.
+segment (torch and multiprocessing unlink theirs at once), not a leak; nor is
+one that only processes outside this process's tree hold open or mapped (a
+concurrent test session's, e.g. another pytest-xdist worker). An entry nobody
+holds, or that this tree holds after the test, is a leak.
 """
 
 from __future__ import annotations
@@ -162,13 +165,41 @@ def shm_entries() -> set[str]:
         return set()
 
 
+def _holders(names: set[str]) -> dict[str, set[int]]:
+    """For each of ``names`` in ``/dev/shm``, the pids that hold it open or mapped."""
+    paths = {os.path.join(SHM_DIR, name): name for name in names}
+    held: dict[str, set[int]] = {name: set() for name in names}
+    for pid in psutil.pids():
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    name = paths.get(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                    if name is not None:
+                        held[name].add(pid)
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+            for line in maps:
+                name = paths.get(line.rstrip("\n").split(maxsplit=5)[-1].removesuffix(" (deleted)"))
+                if name is not None:
+                    held[name].add(pid)
+    return held
+
+
+def foreign(names: set[str]) -> set[str]:
+    """The entries of ``names`` held only by processes outside this process's tree."""
+    ours = live_descendants() | {os.getpid()}
+    return {name for name, pids in _holders(names).items() if pids and not pids & ours}
+
+
 def wait_for_new_shm(before: set[str], timeout_s: float) -> set[str]:
     """Wait up to ``timeout_s`` for ``/dev/shm`` entries not in ``before`` to go.
 
-    Returns the ones still there after the wait (empty when none leaked)."""
+    Returns the ones still there after the wait that are not another process
+    tree's (empty when none leaked)."""
     deadline = time.monotonic() + timeout_s
     while True:
         leaked = shm_entries() - before
-        if not leaked or time.monotonic() >= deadline:
+        if not leaked:
             return leaked
+        if time.monotonic() >= deadline:
+            return leaked - foreign(leaked)
         time.sleep(_POLL_INTERVAL_S)

@@ -47,8 +47,11 @@ def torchrun(
         "-m",
         "torch.distributed.run",
         f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
+        # The rendezvous binds a port the kernel picks (port 0): two launches at
+        # once (parallel test sessions) never race for one "free" port.
+        "--nnodes=1",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.1:0",
         str(script),
         *args,
     ]

@@ -10,6 +10,7 @@ validation.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import itertools
@@ -31,7 +32,7 @@ from hypothesis import strategies as st
 import centralpipe as cp
 from centralpipe.dispatch.wire import shm, stash
 from tests import ring_faults
-from tests._leaks import shm_entries, wait_for_new_shm
+from tests._leaks import foreign, shm_entries, wait_for_new_shm
 
 ROOT = Path(__file__).parent.parent
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no os.memfd_create here")
@@ -206,6 +207,40 @@ def test_the_leak_fixture_fails_a_test_that_leaves_dev_shm_entries(tmp_path: Pat
     assert "2 passed, 1 error" in done.stdout, done.stdout  # the fixture fails at teardown
     assert "ERROR at teardown of test_leaves_an_entry_in_dev_shm" in done.stdout
     assert f"1 new entry(ies) in /dev/shm after the test: ['{name}']" in done.stdout
+
+
+def test_an_entry_only_another_process_tree_holds_is_not_this_tests_leak() -> None:
+    """An entry held open only by a process outside this tree (a concurrent
+    session's) is not reported; the same entry once nobody holds it is."""
+    name = f"centralpipe-foreign-probe-{os.getpid()}"
+    path = Path("/dev/shm") / name
+    holder = f"import time; f = open({str(path)!r}, 'ab'); time.sleep(30)"
+    # The shell starts the holder in the background and exits, so the holder is
+    # re-parented away from this process tree.
+    shell = subprocess.Popen(
+        ["sh", "-c", f'{sys.executable} -c "{holder}" >/dev/null 2>&1 & echo $!'],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    out, _ = shell.communicate(timeout=30)
+    pid = int(out.split()[0])
+    try:
+        deadline = time.monotonic() + 30
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert path.exists()
+        assert foreign({name}) == {name}
+        assert not wait_for_new_shm(set(), 0.0) & {name}
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.05)
+    try:
+        assert foreign({name}) == set()
+        assert name in wait_for_new_shm(set(), 0.0)
+    finally:
+        path.unlink(missing_ok=True)
 
 
 # -- the ring protocol itself -----------------------------------------------------

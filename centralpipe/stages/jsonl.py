@@ -13,6 +13,13 @@ it), the number of that line (for messages) and the lines skipped this epoch.
 Resuming a compressed file decompresses the current block up to the position,
 once: ``check_state`` does it and ``restore`` carries on from there.
 
+Lines are handed out in bulk when the chain pulls many at once (the Loader
+does): the lines already buffered are decoded as one UTF-8 segment, split in
+C and parsed from ``str`` (what ``json.loads`` of their bytes would do), and
+any line that is not simply an item (blank lines aside) is left to the
+one-at-a-time path, so items, errors, skips and positions are the same either
+way. A Ctrl-C inside a ``field`` function leaves its line unread.
+
 A malformed line (not JSON, or without ``field``) raises ``ValueError``
 naming the file and line; with ``errors="skip"`` it is skipped and counted
 (``skipped`` in the state, and in ``Loader.query(name)``).
@@ -47,6 +54,9 @@ __all__ = ["JSONL_ERRORS", "ReadJsonl", "ReadJsonlState"]
 JSONL_ERRORS = ("strict", "skip")
 _COUNT = checked(FieldError, "an int >= 0", int_in(0, 2**63))
 _NOT_FOUND = object()
+#: What ``bytes.isspace`` calls space, less ``\n``: a line of these is blank.
+_BLANK = " \t\r\x0b\x0c"
+_BLANK_BYTES = _BLANK.encode()
 
 
 @attrs.frozen(kw_only=True)
@@ -116,9 +126,88 @@ class ReadJsonl(CentralNode[Any]):
             self._line += 1
             if raw.isspace():
                 continue
-            item = self._item(raw, line)
+            try:
+                item = self._item(raw, line)
+            except BaseException as exc:
+                if not isinstance(exc, Exception):  # interrupted: the line stays unread
+                    self._lines.advance(-len(raw))
+                    self._line = line
+                raise
             if item is not _NOT_FOUND:
                 return item
+
+    def produce_into(self, out: list[Any], n: int) -> None:
+        # One produce() (which opens and ends files and handles every unusual
+        # line), then the lines already buffered, in bulk: decoded once per
+        # segment and split in C. The bulk loop stops, leaving the line to
+        # produce(), at the first line it would not simply turn into an item
+        # (malformed, not UTF-8, a missing field), so both give the same items,
+        # errors, skips and positions.
+        before = len(out)
+        out.append(self.produce())
+        while self._lines is not None and len(out) - before < n:
+            seg = self._lines.peek(n - (len(out) - before))
+            if not seg or not self._take(seg, n - (len(out) - before), out):
+                return
+
+    def _take(self, seg: bytes, n: int, out: list[Any]) -> bool:
+        """Items of up to ``n`` lines of ``seg`` (complete lines at the reader's
+        position) appended to ``out``, and the position moved past them;
+        ``False`` if it stopped at a line for :meth:`produce`."""
+        try:
+            text: str | bytes = seg.decode("utf-8", "surrogatepass")  # as json.loads
+        except UnicodeDecodeError:
+            text = seg
+        parts: list[Any] = text.split("\n" if isinstance(text, str) else b"\n", n)  # type: ignore[arg-type]
+        rest = parts.pop()  # what follows the n-th line (b"" / "" after the last)
+        field, append, loads = self._field, out.append, json.loads
+        blank = _BLANK if isinstance(text, str) else _BLANK_BYTES
+        before = len(out)
+        passed = 0  # lines taken without an item: blank, or a field function that raised
+        whole = False
+        try:
+            for raw in parts:
+                if not raw or raw.isspace():
+                    if raw.strip(blank):  # str.isspace's other spaces: produce() says
+                        break
+                    passed += 1
+                    continue
+                try:
+                    record = loads(raw)
+                except ValueError:
+                    break
+                if field is None:
+                    append(record)
+                elif callable(field):
+                    try:
+                        item = field(record)
+                    except Exception as exc:
+                        at = self._line + len(out) - before + passed
+                        passed += 1
+                        exc.add_note(f"(in file {self._path!r} at line {at})")
+                        raise
+                    append(item)
+                else:
+                    try:
+                        item = record[field]
+                    except (KeyError, TypeError, IndexError):
+                        break
+                    append(item)
+            else:
+                whole = not rest
+        finally:
+            # Only the lines taken count: those of the items appended (whatever
+            # interrupted the loop after an append) and the blank ones passed.
+            taken = len(out) - before + passed
+            if taken:
+                if taken == len(parts) and not rest:
+                    nbytes = len(seg)
+                else:
+                    nbytes = len(seg) - len(seg.split(b"\n", taken)[-1])
+                assert self._lines is not None
+                self._lines.advance(nbytes)
+                self._line += taken
+        return whole
 
     def _item(self, raw: bytes, line: int) -> Any:
         try:

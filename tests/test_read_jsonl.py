@@ -14,7 +14,7 @@ import pytest
 import centralpipe as cp
 import centralpipe.stages.jsonl as jsonl_module
 from centralpipe.stages import RunContext, build_central
-from centralpipe.testing import assert_resumes_exactly, collect
+from centralpipe.testing import assert_resumes_exactly, checkpoint_after, collect
 from tests._configs import loader_config
 
 zstandard = pytest.importorskip("zstandard")
@@ -63,14 +63,6 @@ def dataset(tmp_path: Path) -> Path:
     return root
 
 
-def _take_state(pipe: cp.Pipeline, k: int) -> dict[str, Any]:
-    with cp.Loader(pipe, LOCKSTEP) as loader:
-        it = iter(loader)
-        for _ in range(k):
-            next(it)
-        return loader.state_dict()
-
-
 @pytest.mark.parametrize(
     ("field", "expect"),
     [(None, lambda r: r), ("id", lambda r: r["id"]), (lambda r: r["text"], lambda r: r["text"])],
@@ -103,7 +95,7 @@ def test_state_inside_a_compressed_block_and_resume_reads_one_block(
     starts = _write(path, codec, data, blocks=4)
     pipe = cp.Pipeline.from_files([str(path)]).read_jsonl(field="id")
     k = 31  # well inside the last block
-    state = _take_state(pipe, k)
+    state = checkpoint_after(pipe, k, LOCKSTEP).state
     inner = state["central"]["read_jsonl_1"]
     consumed = len(_lines(RECORDS[:k]))
     piece = len(data) // 4 + 1
@@ -218,7 +210,7 @@ def test_damaged_positions_are_refused_at_load(
     path = tmp_path / f"x{SUFFIX[codec]}"
     _write(path, codec, _lines(RECORDS), blocks=2)
     pipe = cp.Pipeline.from_files([str(path)]).read_jsonl(field="id")
-    state = _take_state(pipe, 3)
+    state = checkpoint_after(pipe, 3, LOCKSTEP).state
     with cp.Loader(pipe, LOCKSTEP) as loader:
         with pytest.raises(cp.CheckpointError, match=match):
             loader.load_state_dict(_corrupt(state, **changes))
@@ -230,7 +222,7 @@ def test_a_changed_file_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "x.jsonl.gz"
     _write(path, "gzip", _lines(RECORDS))
     pipe = cp.Pipeline.from_files([str(path)]).read_jsonl(field="id")
-    state = _take_state(pipe, 5)
+    state = checkpoint_after(pipe, 5, LOCKSTEP).state
     _write(path, "gzip", _lines(RECORDS[:30]))
     with cp.Loader(pipe, LOCKSTEP) as loader, pytest.raises(cp.CheckpointError, match="changed"):
         loader.load_state_dict(state)
@@ -279,7 +271,7 @@ def test_a_last_line_without_newline_resumes_at_the_end(tmp_path: Path, codec: s
     _write(path, codec, data, blocks=2)
     pipe = cp.Pipeline.from_files([str(path)]).read_jsonl(field="id")
     assert assert_resumes_exactly(pipe, LOCKSTEP) == list(range(5))
-    state = _take_state(pipe, 5)["central"]["read_jsonl_1"]
+    state = checkpoint_after(pipe, 5, LOCKSTEP).state["central"]["read_jsonl_1"]
     assert state["line"] == 6 and state["offset"] > 0
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import centralpipe as cp
-from centralpipe.testing import assert_resumes_exactly, collect
+from centralpipe.testing import assert_resumes_exactly, checkpoint_after, collect
 from tests._configs import loader_config
 from tests._torchrun import free_port
 
@@ -35,14 +35,6 @@ JSONL = b"".join(json.dumps(r).encode() + b"\n" for r in RECORDS)
 JSONL_GZ = gzip.compress(JSONL[:200]) + gzip.compress(JSONL[200:])
 SERVER_START_S = 60.0
 SERVER_STOP_S = 10.0
-
-
-def _take_state(pipe: cp.Pipeline, k: int) -> dict[str, Any]:
-    with cp.Loader(pipe, LOCKSTEP) as loader:
-        it = iter(loader)
-        for _ in range(k):
-            next(it)
-        return loader.state_dict()
 
 
 @pytest.fixture
@@ -64,7 +56,7 @@ def test_read_lines_over_memory_urls(memory_root: str, workers: int) -> None:
     pipe = cp.Pipeline.from_files(memory_root + "**/*.txt").read_lines().dispatch()
     full = assert_resumes_exactly(pipe, loader_config(num_workers=workers))
     assert full == LINES
-    state = _take_state(pipe, 3)["central"]
+    state = checkpoint_after(pipe, 3, LOCKSTEP).state["central"]
     assert state["files"]["listing"] == f"a.txt\t{CUT}\nsub/b.txt\t{len(TEXT) - CUT}\n"
     assert state["read_lines_1"]["path"] == "a.txt"
 
@@ -73,7 +65,7 @@ def test_read_jsonl_over_a_memory_url_list(memory_root: str) -> None:
     """A list of URLs is read in order; a gzip file resumes inside its second member."""
     pipe = cp.Pipeline.from_files([memory_root + "c.jsonl.gz"]).read_jsonl(field="id")
     assert assert_resumes_exactly(pipe, LOCKSTEP) == list(range(30))
-    state = _take_state(pipe, 25)["central"]["read_jsonl_1"]
+    state = checkpoint_after(pipe, 25, LOCKSTEP).state["central"]["read_jsonl_1"]
     assert state["path"] == "c.jsonl.gz"
     assert state["block"] == len(gzip.compress(JSONL[:200]))
     consumed = b"".join(json.dumps(r).encode() + b"\n" for r in RECORDS[:25])
@@ -87,7 +79,7 @@ def test_file_urls_resume_and_move(tmp_path: Path) -> None:
         (tmp_path / name / "a.txt").write_bytes(TEXT)
     pipe = cp.Pipeline.from_files(f"file://{tmp_path}/one/*.txt").read_lines()
     assert assert_resumes_exactly(pipe, LOCKSTEP) == LINES
-    state = _take_state(pipe, 7)
+    state = checkpoint_after(pipe, 7, LOCKSTEP).state
     moved = cp.Pipeline.from_files(f"file://{tmp_path}/two/*.txt").read_lines()
     with cp.Loader(moved, LOCKSTEP) as loader:
         loader.load_state_dict(state)
@@ -97,7 +89,7 @@ def test_file_urls_resume_and_move(tmp_path: Path) -> None:
 def test_a_changed_memory_file_is_refused(memory_root: str) -> None:
     """A remote file whose size changed since the checkpoint is a CheckpointError."""
     pipe = cp.Pipeline.from_files(memory_root + "*.txt").read_lines()
-    state = _take_state(pipe, 2)
+    state = checkpoint_after(pipe, 2, LOCKSTEP).state
     fsspec.filesystem("memory").pipe(memory_root.removeprefix("memory://") + "a.txt", TEXT[:90])
     changed = rf"changed size: a.txt \({CUT} -> 90 bytes\)"
     with cp.Loader(pipe, LOCKSTEP) as loader, pytest.raises(cp.CheckpointError, match=changed):
@@ -107,7 +99,7 @@ def test_a_changed_memory_file_is_refused(memory_root: str) -> None:
 def test_a_remote_offset_past_the_end_is_refused(memory_root: str) -> None:
     """A damaged offset in a remote file is refused at load, as a local one is."""
     pipe = cp.Pipeline.from_files(memory_root + "*.txt").read_lines()
-    state = copy.deepcopy(_take_state(pipe, 2))
+    state = copy.deepcopy(checkpoint_after(pipe, 2, LOCKSTEP).state)
     state["central"]["read_lines_1"]["offset"] = 10**6
     past = "resumes at byte 1000000"
     with cp.Loader(pipe, LOCKSTEP) as loader, pytest.raises(cp.CheckpointError, match=past):
@@ -207,14 +199,14 @@ def test_s3_read_lines_and_jsonl_resume_exactly(s3: Any) -> None:
     records = cp.Pipeline.from_files(f"s3://{s3.bucket}/*.gz").read_jsonl(field="id").dispatch()
     ks = [0, 1, 12, 25, 29, 30]
     assert assert_resumes_exactly(records, config, resume_config=inline, ks=ks) == list(range(30))
-    state = _take_state(lines, 3)["central"]
+    state = checkpoint_after(lines, 3, LOCKSTEP).state["central"]
     assert state["files"]["listing"] == f"a.txt\t{CUT}\nb.txt\t{len(TEXT) - CUT}\n"
 
 
 def test_s3_a_changed_object_is_refused(s3: Any) -> None:
     """An object rewritten with another size since the checkpoint is a CheckpointError."""
     pipe = cp.Pipeline.from_files(f"s3://{s3.bucket}/text/*.txt").read_lines()
-    state = _take_state(pipe, 2)
+    state = checkpoint_after(pipe, 2, LOCKSTEP).state
     s3.pipe(f"{s3.bucket}/text/a.txt", TEXT[:50])
     changed = rf"changed size: a.txt \({CUT} -> 50 bytes\)"
     with cp.Loader(pipe, LOCKSTEP) as loader, pytest.raises(cp.CheckpointError, match=changed):
@@ -238,7 +230,7 @@ def test_fsspec_caching_by_url_chaining(memory_root: str) -> None:
     """fsspec's own caching options pass through as URL chains (simplecache::...)."""
     pipe = cp.Pipeline.from_files("simplecache::" + memory_root + "*.txt").read_lines()
     assert assert_resumes_exactly(pipe, LOCKSTEP) == LINES[:10]
-    state = _take_state(pipe, 3)["central"]
+    state = checkpoint_after(pipe, 3, LOCKSTEP).state["central"]
     assert state["files"]["listing"] == f"a.txt\t{CUT}\n"
     offset = len(("\n".join(LINES[:3]) + "\n").encode())
     assert state["read_lines_1"] == {"path": "a.txt", "offset": offset}

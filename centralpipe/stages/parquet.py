@@ -32,6 +32,7 @@ from torchdata.nodes import BaseNode
 from centralpipe.errors import CheckpointError
 from centralpipe.plan.pipeline import StageSpec
 from centralpipe.stages.base import CentralNode, RunContext
+from centralpipe.stages.counts import cached_count
 from centralpipe.stages.files import (
     check_current_file,
     resolve_name,
@@ -195,6 +196,28 @@ class ReadParquet(CentralNode[Any]):
         if len(parts) == 1:
             return parts[0]
         return pa.Table.from_batches(parts).combine_chunks().to_batches()[0]
+
+    #: :meth:`items_in` is exact: the footers say.
+    items_exact = True
+
+    def items_in(self, path: str) -> int | None:
+        """The items of one file, for known totals: from its footer, the rows,
+        or per row group its rows over ``batch_rows`` rounded up (cached by
+        size and mtime; for URLs, by size: one footer read per file)."""
+        return cached_count(path, ("parquet", self._batch_rows), self._count)
+
+    def _count(self, path: str) -> int:
+        f, raw = self._parquet(path)
+        try:
+            meta = f.metadata
+            rows = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+        finally:
+            f.close()
+            if raw is not None:
+                raw.close()
+        if self._batch_rows is None:
+            return sum(rows)
+        return sum(-(-n // self._batch_rows) for n in rows)
 
     def own_state(self) -> dict[str, Any]:
         return {

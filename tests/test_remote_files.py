@@ -4,12 +4,15 @@ server on loopback (moto's standalone server), resumed exactly mid-file."""
 from __future__ import annotations
 
 import copy
+import functools
 import gzip
+import http.server
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -234,3 +237,140 @@ def test_fsspec_caching_by_url_chaining(memory_root: str) -> None:
     assert state["files"]["listing"] == f"a.txt\t{CUT}\n"
     offset = len(("\n".join(LINES[:3]) + "\n").encode())
     assert state["read_lines_1"] == {"path": "a.txt", "offset": offset}
+
+
+# -- an HTTP server on loopback ------------------------------------------------
+
+
+@pytest.fixture
+def http_root(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A directory served over HTTP with Range requests (RangeHTTPServer's handler,
+    what fsspec's HTTP filesystem needs to seek) on a free loopback port, in a
+    thread: its URL (ending in /) and the directory."""
+    pytest.importorskip("aiohttp")
+    handler_module = pytest.importorskip("RangeHTTPServer")
+
+    class Quiet(handler_module.RangeRequestHandler):  # type: ignore[misc, name-defined]
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    root = tmp_path / "served"
+    (root / "sub").mkdir(parents=True)
+    (root / "a.txt").write_bytes(TEXT[:CUT])
+    (root / "sub" / "b.txt").write_bytes(TEXT[CUT:])
+    (root / "c.jsonl.gz").write_bytes(JSONL_GZ)
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    pq.write_table(pa.Table.from_pylist(RECORDS), str(root / "d.parquet"), row_group_size=7)
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(Quiet, directory=str(root))
+    )
+    thread = threading.Thread(target=server.serve_forever, name="http-server", daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/", root
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=SERVER_STOP_S)
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["inline", "2-workers"])
+def test_http_readers_resume_exactly(http_root: tuple[str, Path], workers: int) -> None:
+    """http:// globs (from the server's index pages) and lists: read_lines, read_jsonl
+    inside its second gzip member and read_parquet mid row group resume exactly at
+    every k, across worker counts; files are named relative to the root, with sizes."""
+    url, _ = http_root
+    config, inline = loader_config(num_workers=workers), loader_config()
+    # Every k inline; with workers, the ends, both files, a gzip member, a row group.
+    ks = None if workers == 0 else [0, 1, 9, 10, 11, 17, 25, 29, 30]
+    lines = cp.Pipeline.from_files([url + "a.txt", url + "sub/b.txt"]).read_lines().dispatch()
+    assert assert_resumes_exactly(lines, config, resume_config=inline, ks=ks) == LINES
+    state = checkpoint_after(lines, 3, LOCKSTEP).state["central"]
+    assert state["files"]["listing"] == f"a.txt\t{CUT}\nsub/b.txt\t{len(TEXT) - CUT}\n"
+    records = cp.Pipeline.from_files(url + "*.jsonl.gz").read_jsonl(field="id").dispatch()
+    assert assert_resumes_exactly(records, config, resume_config=inline, ks=ks) == list(range(30))
+    inner = checkpoint_after(records, 25, LOCKSTEP).state["central"]["read_jsonl_1"]
+    assert inner["path"] == "c.jsonl.gz" and inner["block"] > 0 and inner["offset"] > 0
+    rows = cp.Pipeline.from_files(url + "*.parquet").read_parquet(columns=["id"]).dispatch()
+    assert assert_resumes_exactly(rows, config, resume_config=inline, ks=ks) == RECORDS
+    assert checkpoint_after(rows, 17, LOCKSTEP).state["central"]["read_parquet_1"] == {
+        "path": "d.parquet",
+        "row_group": 2,
+        "row": 3,
+    }
+    with cp.Loader(rows) as loader:
+        assert len(loader) == 30  # the footer, read over HTTP
+
+
+@pytest.mark.parametrize(
+    ("glob", "stage", "changes", "match"),
+    [
+        ("*.txt", "read_lines_1", {"offset": 10**6}, "resumes at byte 1000000"),
+        ("*.txt", "read_lines_1", {"offset": 5}, "not the start of a line"),
+        ("*.gz", "read_jsonl_1", {"block": 10**6}, "resumes at byte 1000000"),
+        ("*.gz", "read_jsonl_1", {"offset": 10**6}, "fewer than 1000000"),
+        ("*.parquet", "read_parquet_1", {"row_group": 9}, "but the file has 5 row groups"),
+        ("*.parquet", "read_parquet_1", {"row": 8}, "which has 7 rows"),
+    ],
+    ids=[
+        "lines-past-end",
+        "lines-mid-line",
+        "jsonl-block-past-end",
+        "jsonl-offset-past-block",
+        "parquet-group-out-of-range",
+        "parquet-row-past-group",
+    ],
+)
+def test_http_damaged_positions_are_refused_at_load(
+    http_root: tuple[str, Path], glob: str, stage: str, changes: dict[str, Any], match: str
+) -> None:
+    """A position a remote file cannot have is a CheckpointError at load, as locally."""
+    url, _ = http_root
+    pipe = cp.Pipeline.from_files(url + glob)
+    pipe = {"read_lines_1": pipe.read_lines, "read_jsonl_1": pipe.read_jsonl}.get(
+        stage, pipe.read_parquet
+    )()
+    state = copy.deepcopy(checkpoint_after(pipe, 2, LOCKSTEP).state)
+    state["central"][stage].update(changes)
+    with cp.Loader(pipe, LOCKSTEP) as loader, pytest.raises(cp.CheckpointError, match=match):
+        loader.load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    ("glob", "rewrite", "match"),
+    [
+        ("*.txt", lambda p: p.write_bytes(TEXT[:50]), rf"changed size: a.txt \({CUT} -> 50"),
+        ("*.parquet", lambda p: p.write_bytes(b"x" * p.stat().st_size), "cannot resume"),
+    ],
+    ids=["resized", "same-size-not-parquet"],
+)
+def test_http_a_changed_file_is_refused(
+    http_root: tuple[str, Path], glob: str, rewrite: Any, match: str
+) -> None:
+    """A file changed on the server since the checkpoint is a CheckpointError at load."""
+    url, root = http_root
+    pipe = cp.Pipeline.from_files(url + glob)
+    pipe = pipe.read_lines() if glob == "*.txt" else pipe.read_parquet()
+    state = checkpoint_after(pipe, 2, LOCKSTEP).state
+    rewrite(root / ("a.txt" if glob == "*.txt" else "d.parquet"))
+    with cp.Loader(pipe, LOCKSTEP) as loader, pytest.raises(cp.CheckpointError, match=match):
+        loader.load_state_dict(state)
+
+
+def test_http_through_fsspec_simplecache(
+    http_root: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """simplecache::http:// reads each file once into fsspec's local cache (its
+    options from fsspec's configuration) and resumes exactly from it."""
+    url, _ = http_root
+    cache = tmp_path / "cache"
+    monkeypatch.setitem(fsspec.config.conf, "simplecache", {"cache_storage": str(cache)})
+    pipe = cp.Pipeline.from_files("simplecache::" + url + "*.jsonl.gz").read_jsonl(field="id")
+    assert assert_resumes_exactly(pipe, LOCKSTEP, ks=[0, 1, 12, 25, 30]) == list(range(30))
+    assert checkpoint_after(pipe, 25, LOCKSTEP).state["central"]["files"]["listing"] == (
+        f"c.jsonl.gz\t{len(JSONL_GZ)}\n"
+    )
+    assert [p.stat().st_size for p in cache.iterdir() if p.is_file() and p.suffix != ".json"] == [
+        len(JSONL_GZ)
+    ]

@@ -55,13 +55,20 @@ def test_rows_resume_exactly(
     assert full == expect
 
 
-@pytest.mark.parametrize("workers", [0, 2], ids=["inline", "2-workers"])
-def test_batches_resume_exactly(dataset: Path, workers: int) -> None:
-    """batch_rows=3 gives RecordBatches of up to 3 rows of one row group, at every k."""
+@pytest.mark.parametrize(
+    ("workers", "resume_workers"), [(0, 0), (2, 0), (2, 2)], ids=["0-0", "2-0", "2-2"]
+)
+def test_batches_resume_exactly(dataset: Path, workers: int, resume_workers: int) -> None:
+    """batch_rows=3 gives RecordBatches of up to 3 rows of one row group, at every k,
+    across worker counts."""
     pipe = cp.Pipeline.from_files(str(dataset / "*.parquet")).read_parquet(
         columns=["id"], batch_rows=3
     )
-    full = assert_resumes_exactly(pipe.dispatch(), loader_config(num_workers=workers))
+    full = assert_resumes_exactly(
+        pipe.dispatch(),
+        loader_config(num_workers=workers),
+        resume_config=loader_config(num_workers=resume_workers),
+    )
     assert all(isinstance(b, pa.RecordBatch) for b in full)
     ids = [b.column("id").to_pylist() for b in full]
     expected = []

@@ -156,18 +156,20 @@ class ReadJsonl(CentralNode[Any]):
                 return item
 
     def produce_into(self, out: list[Any], n: int) -> None:
-        # One produce() (which opens and ends files and handles every unusual
-        # line), then the lines already buffered, in bulk: decoded once per
-        # segment and split in C. The bulk loop stops, leaving the line to
-        # produce(), at the first line it would not simply turn into an item
-        # (malformed, not UTF-8, a missing field), so both give the same items,
-        # errors, skips and positions.
+        # The lines already buffered, in bulk: decoded once per segment and
+        # split in C. The bulk path stops, leaving the line to produce(), at the
+        # first line it would not simply turn into an item (malformed, not
+        # UTF-8, a missing field), so both give the same items, errors, skips
+        # and positions; produce() also opens and ends files.
         before = len(out)
-        out.append(self.produce())
-        while self._lines is not None and len(out) - before < n:
-            seg = self._lines.peek(n - (len(out) - before))
-            if not seg or not self._take(seg, n - (len(out) - before), out):
+        while len(out) - before < n:
+            lines, left = self._lines, n - (len(out) - before)
+            seg = lines.peek(left) if lines is not None else b""
+            if seg and self._take(seg, left, out):
+                continue  # the whole segment taken: more may be buffered
+            if len(out) > before:
                 return
+            out.append(self.produce())
 
     def _take(self, seg: bytes, n: int, out: list[Any]) -> bool:
         """Items of up to ``n`` lines of ``seg`` (complete lines at the reader's

@@ -278,18 +278,22 @@ def http_root(tmp_path: Path) -> Iterator[tuple[str, Path]]:
 @pytest.mark.parametrize("workers", [0, 2], ids=["inline", "2-workers"])
 def test_http_readers_resume_exactly(http_root: tuple[str, Path], workers: int) -> None:
     """http:// globs (from the server's index pages) and lists: read_lines, read_jsonl
-    inside its second gzip member and read_parquet mid row group resume exactly at
-    every k, across worker counts; files are named relative to the root, with sizes."""
+    (at every k inline, inside its second gzip member) and read_parquet mid row group
+    resume exactly, across worker counts; files are named relative to the root, with
+    their sizes."""
     url, _ = http_root
     config, inline = loader_config(num_workers=workers), loader_config()
-    # Every k inline; with workers, the ends, both files, a gzip member, a row group.
-    ks = None if workers == 0 else [0, 1, 9, 10, 11, 17, 25, 29, 30]
+    # The ends, both files, both gzip members, row groups; read_jsonl inline at every k.
+    ks = [0, 1, 9, 10, 11, 17, 25, 29, 30]
     lines = cp.Pipeline.from_files([url + "a.txt", url + "sub/b.txt"]).read_lines().dispatch()
     assert assert_resumes_exactly(lines, config, resume_config=inline, ks=ks) == LINES
     state = checkpoint_after(lines, 3, LOCKSTEP).state["central"]
     assert state["files"]["listing"] == f"a.txt\t{CUT}\nsub/b.txt\t{len(TEXT) - CUT}\n"
     records = cp.Pipeline.from_files(url + "*.jsonl.gz").read_jsonl(field="id").dispatch()
-    assert assert_resumes_exactly(records, config, resume_config=inline, ks=ks) == list(range(30))
+    every = None if workers == 0 else ks
+    assert assert_resumes_exactly(records, config, resume_config=inline, ks=every) == list(
+        range(30)
+    )
     inner = checkpoint_after(records, 25, LOCKSTEP).state["central"]["read_jsonl_1"]
     assert inner["path"] == "c.jsonl.gz" and inner["block"] > 0 and inner["offset"] > 0
     rows = cp.Pipeline.from_files(url + "*.parquet").read_parquet(columns=["id"]).dispatch()

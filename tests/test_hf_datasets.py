@@ -180,3 +180,46 @@ def test_a_batched_getitems_is_used_in_bulk_and_resumes_by_index() -> None:
     full = assert_resumes_exactly(pipe, config, ks=[0, 1, 9, 39, 40])
     assert full == [3 * i for i in range(40)]
     assert data.batched > 0 and data.single == 0
+
+
+class Tripping(Countdown):
+    """A Countdown whose ``k``-th item raises KeyboardInterrupt instead (once)."""
+
+    def __init__(self, n: int, k: int) -> None:
+        super().__init__(n)
+        self.k, self.tripped = k, False
+
+    def __iter__(self) -> Iterator[int]:
+        for item in super().__iter__():
+            if self.done == self.k and not self.tripped:
+                self.tripped = True
+                self.done -= 1  # the item was not handed out
+                raise KeyboardInterrupt(f"injected at item {self.k}")
+            yield item
+
+
+def _chain_of(pipe: cp.Pipeline) -> Any:
+    from centralpipe.stages import RunContext, build_central
+
+    nodes = build_central(pipe.central_stages, RunContext())
+    nodes[-1].load_flat(None)
+    return nodes[-1]
+
+
+@pytest.mark.parametrize("n", [1, 4, 64], ids=["single", "bulk-4", "bulk-64"])
+def test_bulk_pulls_of_a_stateful_iterable_count_only_what_they_hand_out(n: int) -> None:
+    """pull_into(n) slices the iterable in bulk; a Ctrl-C inside it keeps the items
+    already handed out, and the next pulls go on from its own state, nothing lost
+    or repeated, with the index and state of the items handed out."""
+    tip = _chain_of(cp.Pipeline.from_iterable(Tripping(12, k=7)))
+    got: list[int] = []
+    with pytest.raises(KeyboardInterrupt):
+        while True:
+            tip.pull_into(got, n)
+    assert got == [11, 10, 9, 8, 7, 6]
+    assert tip.own_state() == {"index": 6, "state": {"done": 6}}
+    with pytest.raises(StopIteration):
+        while True:
+            tip.pull_into(got, n)
+    assert got == list(range(11, -1, -1))
+    assert tip.own_state() == {"index": 12, "state": {"done": 12}}

@@ -50,10 +50,16 @@ def test_star_import_gives_exactly_all() -> None:
 
 
 def test_testing_helpers_are_importable() -> None:
-    """`centralpipe.testing` offers the resume checker and `collect`."""
+    """`centralpipe.testing` offers the resume checker, its checkpoint step and `collect`."""
     from centralpipe import testing
 
-    assert testing.__all__ == ["assert_resumes_exactly", "collect"]
+    assert testing.__all__ == [
+        "Checkpoint",
+        "assert_resumes_exactly",
+        "checkpoint_after",
+        "collect",
+        "items_until_interrupt",
+    ]
     assert callable(testing.assert_resumes_exactly)
     assert callable(testing.collect)
 

@@ -13,7 +13,8 @@ import pytest
 
 import centralpipe as cp
 import centralpipe.stages.jsonl as jsonl_module
-from centralpipe.testing import assert_resumes_exactly, collect
+from centralpipe.stages import RunContext, build_central
+from centralpipe.testing import assert_resumes_exactly, checkpoint_after, collect
 from tests._configs import loader_config
 
 zstandard = pytest.importorskip("zstandard")
@@ -62,14 +63,6 @@ def dataset(tmp_path: Path) -> Path:
     return root
 
 
-def _take_state(pipe: cp.Pipeline, k: int) -> dict[str, Any]:
-    with cp.Loader(pipe, LOCKSTEP) as loader:
-        it = iter(loader)
-        for _ in range(k):
-            next(it)
-        return loader.state_dict()
-
-
 @pytest.mark.parametrize(
     ("field", "expect"),
     [(None, lambda r: r), ("id", lambda r: r["id"]), (lambda r: r["text"], lambda r: r["text"])],
@@ -102,7 +95,7 @@ def test_state_inside_a_compressed_block_and_resume_reads_one_block(
     starts = _write(path, codec, data, blocks=4)
     pipe = cp.Pipeline.from_files([str(path)]).read_jsonl(field="id")
     k = 31  # well inside the last block
-    state = _take_state(pipe, k)
+    state = checkpoint_after(pipe, k, LOCKSTEP).state
     inner = state["central"]["read_jsonl_1"]
     consumed = len(_lines(RECORDS[:k]))
     piece = len(data) // 4 + 1
@@ -217,7 +210,7 @@ def test_damaged_positions_are_refused_at_load(
     path = tmp_path / f"x{SUFFIX[codec]}"
     _write(path, codec, _lines(RECORDS), blocks=2)
     pipe = cp.Pipeline.from_files([str(path)]).read_jsonl(field="id")
-    state = _take_state(pipe, 3)
+    state = checkpoint_after(pipe, 3, LOCKSTEP).state
     with cp.Loader(pipe, LOCKSTEP) as loader:
         with pytest.raises(cp.CheckpointError, match=match):
             loader.load_state_dict(_corrupt(state, **changes))
@@ -229,7 +222,7 @@ def test_a_changed_file_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "x.jsonl.gz"
     _write(path, "gzip", _lines(RECORDS))
     pipe = cp.Pipeline.from_files([str(path)]).read_jsonl(field="id")
-    state = _take_state(pipe, 5)
+    state = checkpoint_after(pipe, 5, LOCKSTEP).state
     _write(path, "gzip", _lines(RECORDS[:30]))
     with cp.Loader(pipe, LOCKSTEP) as loader, pytest.raises(cp.CheckpointError, match="changed"):
         loader.load_state_dict(state)
@@ -278,5 +271,111 @@ def test_a_last_line_without_newline_resumes_at_the_end(tmp_path: Path, codec: s
     _write(path, codec, data, blocks=2)
     pipe = cp.Pipeline.from_files([str(path)]).read_jsonl(field="id")
     assert assert_resumes_exactly(pipe, LOCKSTEP) == list(range(5))
-    state = _take_state(pipe, 5)["central"]["read_jsonl_1"]
+    state = checkpoint_after(pipe, 5, LOCKSTEP).state["central"]["read_jsonl_1"]
     assert state["line"] == 6 and state["offset"] > 0
+
+
+#: Lines the bulk path hands back to produce(): blank (CRLF too), a "\x1c" line
+#: (str.isspace says space, JSON does not), non-ASCII and non-UTF-8 bytes, lines
+#: that are not JSON, lack the field or are not objects, one longer than the
+#: bulk window, and a last line without "\n".
+TRICKY = (
+    b'{"a": 1}\n\n  \r\n{"a": 2}\r\n\x1c\n{"a": "\xc3\xa9"}\n{"a": "\xff"}\n'
+    b'not json\n{"b": 3}\n[5]\n{"a": 4}\n{"a": 5}\n{"a": "' + b"x" * 5000 + b'"}\n{"a": 6}'
+)
+TRICKY_ITEMS = [1, 2, "é", 4, 5, "x" * 5000, 6]
+
+
+def _chain(pipe: cp.Pipeline) -> list[Any]:
+    nodes = build_central(pipe.central_stages, RunContext())
+    for node in nodes:
+        node.prepare()
+    nodes[-1].load_flat(None)
+    return nodes
+
+
+def _pull_all(tip: Any, n: int) -> tuple[list[Any], list[tuple[int, dict[str, Any]]]]:
+    """Every item of ``tip`` pulled ``n`` at a time, and (items so far, state) after each pull."""
+    items: list[Any] = []
+    states = []
+    while True:
+        try:
+            tip.pull_into(items, n)
+        except StopIteration:
+            return items, states
+        finally:
+            states.append((len(items), {node.name: node.own_state() for node in tip.chain()}))
+
+
+@pytest.mark.parametrize("codec", ["plain", "gzip", "zstd"])
+@pytest.mark.parametrize("n", [2, 3, 64, 4096], ids=["n2", "n3", "n64", "n4096"])
+def test_bulk_pulls_give_the_items_skips_and_positions_of_single_ones(
+    tmp_path: Path, codec: str, n: int
+) -> None:
+    """pull_into(n) over lines the bulk path must hand back to produce() gives the
+    items and skip count of pulling one at a time, and the state after each pull
+    resumes a fresh chain at exactly the next item."""
+    path = tmp_path / f"x{SUFFIX[codec]}"
+    _write(path, codec, TRICKY, blocks=3)
+    pipe = cp.Pipeline.from_files([str(path)]).read_jsonl(field="a", errors="skip")
+    single = _chain(pipe)
+    assert _pull_all(single[-1], 1)[0] == TRICKY_ITEMS
+    nodes = _chain(pipe)
+    items, states = _pull_all(nodes[-1], n)
+    assert items == TRICKY_ITEMS
+    assert nodes[-1].own_state()["skipped"] == single[-1].own_state()["skipped"] == 5
+    assert states[-1][1]["read_jsonl_1"]["line"] == 1  # closed at the end
+    for k, state in states:
+        fresh = _chain(pipe)
+        fresh[-1].load_flat(state)
+        rest, _ = _pull_all(fresh[-1], n)
+        assert items[:k] + rest == TRICKY_ITEMS, f"resumed after {k} items"
+
+
+def test_bulk_pulls_raise_where_single_ones_do(tmp_path: Path) -> None:
+    """With errors='strict', pull_into(64) yields the items before a malformed line,
+    then raises naming its line, and goes on after it, as single pulls do."""
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(b'{"a": 1}\n{"a": 2}\n\n{"a": 3\n{"a": 4}\n')
+    tip = _chain(cp.Pipeline.from_files([str(path)]).read_jsonl(field="a"))[-1]
+    items: list[Any] = []
+    tip.pull_into(items, 64)
+    assert items == [1, 2]
+    with pytest.raises(ValueError, match=r"line 4: not JSON"):
+        tip.pull_into(items, 64)
+    tip.pull_into(items, 64)
+    assert items == [1, 2, 4]
+
+
+class _Trip:
+    """``fn``, except that its ``k``-th call raises KeyboardInterrupt (once)."""
+
+    def __init__(self, fn: Any, k: int) -> None:
+        self.fn, self.k, self.calls = fn, k, 0
+
+    def __call__(self, record: Any) -> Any:
+        self.calls += 1
+        if self.calls == self.k:
+            raise KeyboardInterrupt(f"injected at call {self.k}")
+        return self.fn(record)
+
+
+def _get_a(record: dict[str, Any]) -> Any:
+    return record["a"]
+
+
+@pytest.mark.parametrize("n", [1, 64], ids=["single", "bulk"])
+@pytest.mark.parametrize("k", [1, 3, 7], ids=["k1", "k3", "k7"])
+def test_ctrl_c_in_a_field_function_keeps_its_line(tmp_path: Path, n: int, k: int) -> None:
+    """Ctrl-C inside a field function: the items before it stay pulled, and the
+    line it was reading is read again by the next pull (nothing lost or repeated)."""
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(b"".join(b'{"a": %d}\n' % i for i in range(10)))
+    tip = _chain(cp.Pipeline.from_files([str(path)]).read_jsonl(field=_Trip(_get_a, k)))[-1]
+    items: list[Any] = []
+    with pytest.raises(KeyboardInterrupt):
+        while True:
+            tip.pull_into(items, n)
+    assert items == list(range(k - 1))
+    rest, _ = _pull_all(tip, n)
+    assert items + rest == list(range(10))

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import centralpipe as cp
-from centralpipe.testing import assert_resumes_exactly, collect
+from centralpipe.testing import assert_resumes_exactly, checkpoint_after, collect
 from tests._configs import loader_config
 
 pa = pytest.importorskip("pyarrow")
@@ -32,14 +32,6 @@ def dataset(tmp_path: Path) -> Path:
     _write(tmp_path / "a.parquet", ROWS[:30])
     _write(tmp_path / "b.parquet", ROWS[30:])
     return tmp_path
-
-
-def _take_state(pipe: cp.Pipeline, k: int) -> dict[str, Any]:
-    with cp.Loader(pipe, LOCKSTEP) as loader:
-        it = iter(loader)
-        for _ in range(k):
-            next(it)
-        return loader.state_dict()
 
 
 @pytest.mark.parametrize(
@@ -63,13 +55,20 @@ def test_rows_resume_exactly(
     assert full == expect
 
 
-@pytest.mark.parametrize("workers", [0, 2], ids=["inline", "2-workers"])
-def test_batches_resume_exactly(dataset: Path, workers: int) -> None:
-    """batch_rows=3 gives RecordBatches of up to 3 rows of one row group, at every k."""
+@pytest.mark.parametrize(
+    ("workers", "resume_workers"), [(0, 0), (2, 0), (2, 2)], ids=["0-0", "2-0", "2-2"]
+)
+def test_batches_resume_exactly(dataset: Path, workers: int, resume_workers: int) -> None:
+    """batch_rows=3 gives RecordBatches of up to 3 rows of one row group, at every k,
+    across worker counts."""
     pipe = cp.Pipeline.from_files(str(dataset / "*.parquet")).read_parquet(
         columns=["id"], batch_rows=3
     )
-    full = assert_resumes_exactly(pipe.dispatch(), loader_config(num_workers=workers))
+    full = assert_resumes_exactly(
+        pipe.dispatch(),
+        loader_config(num_workers=workers),
+        resume_config=loader_config(num_workers=resume_workers),
+    )
     assert all(isinstance(b, pa.RecordBatch) for b in full)
     ids = [b.column("id").to_pylist() for b in full]
     expected = []
@@ -86,19 +85,20 @@ def test_state_mid_row_group_and_resume_reads_from_that_group(
     """The state names the row group and row; a resume reads that row group and
     the ones after it, only the chosen columns, never the whole file."""
     pipe = cp.Pipeline.from_files(str(dataset / "*.parquet")).read_parquet(columns=["id"])
-    state = _take_state(pipe, 17)
+    state = checkpoint_after(pipe, 17, LOCKSTEP).state
     assert state["central"]["read_parquet_1"] == {"path": "a.parquet", "row_group": 2, "row": 3}
     calls: list[tuple[int, Any]] = []
-    read_row_group = pq.ParquetFile.read_row_group
+    iter_batches = pq.ParquetFile.iter_batches
 
-    def recording(self: Any, i: int, columns: Any = None, **kwargs: Any) -> Any:
+    def recording(self: Any, *, row_groups: Any = None, columns: Any = None, **kw: Any) -> Any:
+        (i,) = row_groups  # one row group at a time
         calls.append((i, columns))
-        return read_row_group(self, i, columns=columns, **kwargs)
+        return iter_batches(self, row_groups=row_groups, columns=columns, **kw)
 
     def whole(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("read_parquet read a whole file")
 
-    monkeypatch.setattr(pq.ParquetFile, "read_row_group", recording)
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", recording)
     monkeypatch.setattr(pq.ParquetFile, "read", whole)
     with cp.Loader(pipe, LOCKSTEP) as loader:
         loader.load_state_dict(state)
@@ -128,7 +128,7 @@ def test_damaged_positions_are_refused_at_load(
 ) -> None:
     """A row group or row out of the file's range is a CheckpointError at load."""
     pipe = cp.Pipeline.from_files(str(dataset / "*.parquet")).read_parquet(columns=["id"])
-    state = _take_state(pipe, 17)
+    state = checkpoint_after(pipe, 17, LOCKSTEP).state
     with cp.Loader(pipe, LOCKSTEP) as loader:
         with pytest.raises(cp.CheckpointError, match=match):
             loader.load_state_dict(_corrupt(state, **changes))
@@ -138,7 +138,7 @@ def test_damaged_positions_are_refused_at_load(
 def test_a_file_that_is_no_longer_parquet_is_refused(dataset: Path) -> None:
     """A file overwritten (same size) with other bytes is a CheckpointError at load."""
     pipe = cp.Pipeline.from_files(str(dataset / "*.parquet")).read_parquet()
-    state = _take_state(pipe, 3)
+    state = checkpoint_after(pipe, 3, LOCKSTEP).state
     path = dataset / "a.parquet"
     path.write_bytes(b"x" * path.stat().st_size)
     with (
@@ -191,3 +191,62 @@ def test_parquet_over_a_memory_url(request: pytest.FixtureRequest) -> None:
         assert assert_resumes_exactly(pipe, LOCKSTEP, ks=ks) == [{"id": i} for i in range(45)]
     finally:
         fs.rm(root, recursive=True)
+
+
+@pytest.mark.parametrize("reader_rows", [1, 2, 5], ids=["reader-1", "reader-2", "reader-5"])
+def test_batches_are_cut_per_row_group_whatever_the_reader_gives(
+    dataset: Path, monkeypatch: pytest.MonkeyPatch, reader_rows: int
+) -> None:
+    """When pyarrow's reader hands out batches of another size than batch_rows, the
+    items are still batch_rows rows at multiples of it in each row group, and resume
+    exactly."""
+    iter_batches = pq.ParquetFile.iter_batches
+
+    def other_size(self: Any, batch_size: int = 0, **kwargs: Any) -> Any:
+        return iter_batches(self, batch_size=reader_rows, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", other_size)
+    pipe = cp.Pipeline.from_files(str(dataset / "*.parquet")).read_parquet(
+        columns=["id"], batch_rows=3
+    )
+    full = assert_resumes_exactly(pipe, LOCKSTEP)
+    expected = []
+    for start, end in ((0, 30), (30, 45)):
+        for group in range(start, end, GROUP_ROWS):
+            stop = min(group + GROUP_ROWS, end)
+            expected.extend(list(range(i, min(i + 3, stop))) for i in range(group, stop, 3))
+    assert [b.column("id").to_pylist() for b in full] == expected
+
+
+def test_a_resume_converts_rows_from_its_row_on(
+    dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Resumed mid row group in rows mode, the rows before the position are read but
+    never converted to dicts: the first conversion starts at the row."""
+    pipe = cp.Pipeline.from_files(str(dataset / "*.parquet")).read_parquet(columns=["id"])
+    state = checkpoint_after(pipe, 17, LOCKSTEP).state
+    converted: list[int] = []
+    iter_batches = pq.ParquetFile.iter_batches
+
+    class Counting:
+        """A RecordBatch that records the first id of each conversion to rows."""
+
+        def __init__(self, batch: Any) -> None:
+            self.batch, self.num_rows = batch, batch.num_rows
+
+        def slice(self, *args: Any) -> Counting:
+            return Counting(self.batch.slice(*args))
+
+        def to_pylist(self) -> list[dict[str, Any]]:
+            rows: list[dict[str, Any]] = self.batch.to_pylist()
+            converted.append(rows[0]["id"] if rows else -1)
+            return rows
+
+    def counting(self: Any, **kwargs: Any) -> Any:
+        return map(Counting, iter_batches(self, **kwargs))
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", counting)
+    with cp.Loader(pipe, LOCKSTEP) as loader:
+        loader.load_state_dict(state)
+        assert collect(loader) == [{"id": i} for i in range(17, 45)]
+    assert converted[0] == 17 and sorted(converted) == converted

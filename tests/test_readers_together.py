@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,7 @@ import pytest
 
 import centralpipe as cp
 import centralpipe.stages.jsonl as jsonl_module
-from centralpipe.testing import assert_resumes_exactly
+from centralpipe.testing import assert_resumes_exactly, checkpoint_after, items_until_interrupt
 from tests._configs import loader_config
 
 pa = pytest.importorskip("pyarrow")
@@ -86,14 +86,6 @@ def test_shard_of_a_reader(corpus: Path, rank: int) -> None:
     assert full == list(range(100 + rank, 130, 2))
 
 
-def _until_interrupt(it: Iterator[Any]) -> list[Any]:
-    got: list[Any] = []
-    with pytest.raises(KeyboardInterrupt):
-        for item in it:
-            got.append(item)
-    return got
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("reader", ["jsonl", "parquet"])
 def test_interrupt_while_a_reader_opens_a_file(
@@ -116,7 +108,7 @@ def test_interrupt_while_a_reader_opens_a_file(
         monkeypatch.setattr(pq, "ParquetFile", Trip(pq.ParquetFile, 2))
     with cp.Loader(pipe, config) as loader:
         it = iter(loader)
-        got = _until_interrupt(it)
+        got = items_until_interrupt(it)
         state = loader.state_dict()
         assert state["central"][name]["path"] == (
             "1.jsonl.gz" if reader == "jsonl" else "1.parquet"
@@ -135,10 +127,9 @@ def test_elastic_resume_of_read_jsonl(corpus: Path) -> None:
     k = 4
     states = []
     for rank in range(2):
-        with cp.Loader(pipe, loader_config(rank=rank, world_size=2)) as loader:
-            it = iter(loader)
-            assert [next(it) for _ in range(k)] == stream[rank : 2 * k : 2]
-            states.append(loader.state_dict())
+        head, state = checkpoint_after(pipe, k, loader_config(rank=rank, world_size=2))
+        assert head == stream[rank : 2 * k : 2]
+        states.append(state)
     merged = cp.merge_states(states)
     rest = stream[2 * k :]
     for rank in range(3):

@@ -18,6 +18,7 @@ import centralpipe as cp
 from centralpipe.stages import RunContext, build_central
 from centralpipe.stages import files as files_stage
 from centralpipe.stages.mix import Mix
+from centralpipe.testing import items_until_interrupt
 from tests._configs import loader_config
 
 N = 60
@@ -172,14 +173,6 @@ def _expected(name: str, parallel: bool) -> list[Any]:
         return _take(loader, LIMIT.get(name))
 
 
-def _until_interrupt(it: Iterator[Any]) -> list[Any]:
-    got: list[Any] = []
-    with pytest.raises(KeyboardInterrupt):
-        for item in it:
-            got.append(item)
-    return got
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize(("name", "k"), PARAMS)
@@ -195,7 +188,7 @@ def test_interrupt_in_a_stage_loses_nothing(name: str, k: int, workers: int) -> 
     config = _config(name, workers)
     with cp.Loader(make(k, parallel), config) as loader:
         it = iter(loader)
-        got = _until_interrupt(it)
+        got = items_until_interrupt(it)
         sd = loader.state_dict()
         assert sd["finished"] is False
         if rest is not None:
@@ -270,7 +263,7 @@ def test_interrupt_while_read_lines_opens_a_file(
     monkeypatch.setattr(files_stage, "open", Trip(open, 3), raising=False)  # the third file
     with cp.Loader(pipe(), config) as loader:
         it = iter(loader)
-        got = _until_interrupt(it)
+        got = items_until_interrupt(it)
         sd = loader.state_dict()
         assert sd["central"]["read_lines_1"]["path"] == "2.txt"
         assert got + list(it) == expected
@@ -301,7 +294,7 @@ def test_interrupt_while_mix_starts_a_pass(monkeypatch: pytest.MonkeyPatch, work
     monkeypatch.setattr(Mix, "_start_source", start)
     with cp.Loader(_mix(None, "never", workers > 0), config) as loader:
         it = iter(loader)
-        got = _until_interrupt(it)
+        got = items_until_interrupt(it)
         sd = loader.state_dict()
         assert sd["central"]["mix"]["restart"] is True
         rest = LIMIT["mix-never"] - len(got)

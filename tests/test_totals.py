@@ -181,3 +181,132 @@ def test_unreadable_file_makes_the_total_unknown(tmp_path: Path) -> None:
         with pytest.raises(FileNotFoundError) as info:
             list(loader)  # list() asks len() first
         assert "(raised in central stage 'lines')" in info.value.__notes__
+
+
+def _collected(pipe: cp.Pipeline) -> tuple[cp.Total | None, int]:
+    with cp.Loader(pipe) as loader:
+        return loader.total(), len(collect(loader))
+
+
+@pytest.mark.parametrize(
+    ("batch_rows", "items"),
+    [(None, 45), (3, 13 + 7), (7, 5 + 3), (100, 5 + 3)],
+    ids=["rows", "batches-3", "batches-7", "batches-100"],
+)
+def test_parquet_totals_come_from_the_footers(
+    tmp_path: Path, batch_rows: int | None, items: int
+) -> None:
+    """read_parquet's total is exact from the footers: rows, or batches per row
+    group (rows of 30 and 15 in row groups of 7)."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    for name, rows in (("a", range(30)), ("b", range(30, 45))):
+        table = pa.Table.from_pylist([{"id": i} for i in rows])
+        pq.write_table(table, str(tmp_path / f"{name}.parquet"), row_group_size=7)
+    pipe = cp.Pipeline.from_files(str(tmp_path / "*.parquet")).read_parquet(batch_rows=batch_rows)
+    assert _collected(pipe) == (cp.Total(items), items)
+    subset = cp.Pipeline.from_files(str(tmp_path / "*.parquet")).filter(bool, name="f")
+    with cp.Loader(subset.read_parquet(batch_rows=batch_rows)) as loader:
+        assert loader.total() == cp.Total(items, exact=False, bound_by="f")
+
+
+def test_parquet_totals_over_a_url_and_of_a_damaged_file(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A memory:// Parquet file's footer gives its rows; a file that is not Parquet
+    leaves the total unknown (reading it raises)."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    fsspec = pytest.importorskip("fsspec")
+    fs = fsspec.filesystem("memory")
+    root = f"/{request.node.name}"
+    with fs.open(f"{root}/a.parquet", "wb") as f:
+        pq.write_table(pa.Table.from_pylist([{"id": i} for i in range(12)]), f, row_group_size=5)
+    try:
+        pipe = cp.Pipeline.from_files(f"memory://{root}/*.parquet").read_parquet(batch_rows=2)
+        assert _collected(pipe) == (cp.Total(3 + 3 + 1), 7)
+    finally:
+        fs.rm(root, recursive=True)
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
+    with cp.Loader(cp.Pipeline.from_files(str(tmp_path / "*.parquet")).read_parquet()) as loader:
+        assert loader.total() is None
+
+
+JSONL_EDGES = {
+    "blank-lines": b'{"a": 1}\n\n \t\r\n{"a": 2}\n',
+    "crlf": b'{"a": 1}\r\n{"a": 2}\r\n',
+    "no-final-newline": b'{"a": 1}\n{"a": 2}',
+    "blank-last-line": b'{"a": 1}\n  ',
+    "empty": b"",
+    "one-newline": b"\n",
+    "vertical-tab-and-form-feed": b"\x0b\x0c\n1\n",
+}
+
+
+@pytest.mark.parametrize("data", list(JSONL_EDGES.values()), ids=list(JSONL_EDGES))
+@pytest.mark.parametrize("chunk", [3, 1 << 20], ids=["tiny-chunks", "one-chunk"])
+def test_jsonl_totals_count_the_lines_read_jsonl_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, data: bytes, chunk: int
+) -> None:
+    """An uncompressed local file's total is its non-blank lines, exactly what
+    read_jsonl yields, also when lines span the counting chunks."""
+    from centralpipe.stages import jsonl as jsonl_module
+
+    monkeypatch.setattr(jsonl_module, "COUNT_CHUNK_BYTES", chunk)
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(data)
+    total, got = _collected(cp.Pipeline.from_files([str(path)]).read_jsonl())
+    assert total == cp.Total(got)
+
+
+def test_jsonl_totals_skip_bound_compressed_and_urls_unknown(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """errors='skip' makes the count an upper bound naming the reader; a gzip file
+    or a URL leaves it unknown (it would be read whole)."""
+    import gzip
+
+    fsspec = pytest.importorskip("fsspec")
+    data = b'{"a": 1}\nnot json\n{"a": 3}\n'
+    (tmp_path / "x.jsonl").write_bytes(data)
+    skip = cp.Pipeline.from_files([str(tmp_path / "x.jsonl")]).read_jsonl(errors="skip", name="r")
+    assert _collected(skip) == (cp.Total(3, exact=False, bound_by="r"), 2)
+    (tmp_path / "y.jsonl.gz").write_bytes(gzip.compress(data))
+    both = cp.Pipeline.from_files(str(tmp_path / "*")).read_jsonl(errors="skip")
+    assert _collected(both) == (None, 4)
+    fs = fsspec.filesystem("memory")
+    fs.pipe(f"/{request.node.name}/x.jsonl", data)
+    try:
+        url = cp.Pipeline.from_files([f"memory:///{request.node.name}/x.jsonl"])
+        assert _collected(url.read_jsonl(errors="skip")) == (None, 2)
+    finally:
+        fs.rm(f"/{request.node.name}", recursive=True)
+
+
+def test_reader_counts_are_cached_until_the_file_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second total() counts nothing again; a file rewritten (size or mtime) is
+    counted afresh."""
+    from centralpipe.stages import jsonl as jsonl_module
+
+    calls: list[str] = []
+    real = jsonl_module.count_records
+
+    def spy(path: str) -> int:
+        calls.append(path)
+        return real(path)
+
+    monkeypatch.setattr(jsonl_module, "count_records", spy)
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(b"1\n2\n")
+    pipe = cp.Pipeline.from_files([str(path)]).read_jsonl()
+    with cp.Loader(pipe) as loader:
+        assert loader.total() == cp.Total(2) and loader.total() == cp.Total(2)
+        assert len(calls) == 1
+        path.write_bytes(b"1\n2\n3\n")
+        assert loader.total() == cp.Total(3) and len(calls) == 2
+        stat = path.stat()
+        path.write_bytes(b"1\n\n3\n")  # same size, later mtime
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+        assert loader.total() == cp.Total(2) and len(calls) == 3

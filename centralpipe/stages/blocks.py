@@ -42,28 +42,90 @@ def codec_of(path: str) -> Codec:
     return "plain"
 
 
-class PlainLines:
+class _Lines:
+    """Lines from a buffer that a subclass fills (:meth:`_more`): ``_buf`` holds
+    the bytes read and not yet dropped, ``_pos`` the position in it."""
+
+    _buf: bytes
+    _pos: int
+    #: About how many bytes a line has, for :meth:`peek`'s window.
+    _line_bytes = 128
+
+    def _more(self) -> bool:
+        """Append more bytes to ``_buf`` (possibly dropping those before
+        ``_pos`` first); ``False`` at the end of the file."""
+        raise NotImplementedError
+
+    def readline(self) -> bytes:
+        """The next line with its ``\n`` (a last line without one as it is);
+        ``b""`` at the end of the file."""
+        buf, pos = self._buf, self._pos
+        scan = pos
+        while True:
+            i = buf.find(b"\n", scan)
+            if i >= 0:
+                end = i + 1
+                break
+            scanned = len(buf) - pos
+            if not self._more():
+                end = len(buf)
+                break
+            buf, pos = self._buf, self._pos
+            scan = pos + scanned
+        self._pos = end
+        return buf[pos:end]
+
+    def peek(self, n: int) -> bytes:
+        """About ``n`` (at least one) complete lines from the position, as one
+        ``bytes`` ending in ``\n``, without moving the position (see
+        :meth:`advance`); ``b""`` when no ``\n`` follows it (the end of the
+        file, or a last line without one). Reads more only when the buffer
+        holds no complete line, so it costs about the bytes it returns."""
+        while True:
+            buf, pos = self._buf, self._pos
+            end = buf.rfind(b"\n", pos, pos + n * self._line_bytes) + 1
+            if end <= pos:
+                end = buf.find(b"\n", pos) + 1  # a line longer than the window
+            if end > pos:
+                seg = buf[pos:end]
+                self._line_bytes = len(seg) // seg.count(b"\n") + 1
+                return seg
+            if not self._more():
+                return b""
+
+    def advance(self, nbytes: int) -> None:
+        """Move the position past ``nbytes`` bytes that :meth:`peek` returned."""
+        self._pos += nbytes
+
+
+class PlainLines(_Lines):
     """Lines of an uncompressed file: the position is ``(0, byte offset)``."""
 
     def __init__(self, raw: IO[bytes], offset: int) -> None:
         self._raw = raw
         if offset:
             raw.seek(offset)
-        self.offset = offset
+        self._base = offset  # the byte offset of _buf[0]
+        self._buf = b""
+        self._pos = 0
 
-    def readline(self) -> bytes:
-        line = self._raw.readline()
-        self.offset += len(line)
-        return line
+    def _more(self) -> bool:
+        data = self._raw.read(OUT_BYTES)
+        if not data:
+            return False
+        self._base += self._pos
+        self._buf = self._buf[self._pos :] + data
+        self._pos = 0
+        return True
 
     def position(self) -> tuple[int, int]:
-        return 0, self.offset
+        return 0, self._base + self._pos
 
     def close(self) -> None:
         self._raw.close()
 
 
-class BlockLines:
+class BlockLines(_Lines):
     """Lines of a gzip or zstd file from position ``(block, offset)``.
 
     ``skipped_last`` is the last decompressed byte before the position
@@ -146,24 +208,13 @@ class BlockLines:
         self._bounds = [(0, block, offset)]
         return last
 
-    def readline(self) -> bytes:
-        buf, pos = self._buf, self._pos
-        scan = pos
-        while True:
-            i = buf.find(b"\n", scan)
-            if i >= 0:
-                end = i + 1
-                break
-            chunk = self._next_chunk()
-            if chunk is None:
-                end = len(buf)
-                break
-            self._compact()
-            scan = len(self._buf)
-            self._append(chunk)
-            buf, pos = self._buf, 0
-        self._pos = end
-        return buf[pos:end]
+    def _more(self) -> bool:
+        chunk = self._next_chunk()
+        if chunk is None:
+            return False
+        self._compact()
+        self._append(chunk)
+        return True
 
     def _append(self, chunk: tuple[int, int, bytes]) -> None:
         block, start, data = chunk

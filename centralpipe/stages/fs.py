@@ -71,6 +71,16 @@ def _fs(url: str, what: str) -> tuple[Any, str]:
         raise PipelineError(f"{what}: cannot open {url!r}: {exc}.") from None
 
 
+def _join(head: str, path: str) -> str:
+    """The URL of a filesystem's ``path``: ``head`` (see :func:`url_head`) joined
+    to it, or, for filesystems whose paths are URLs already (``http(s)``),
+    the path after the chain part of ``head`` (``"simplecache::"``)."""
+    if "://" not in path:
+        return head + path
+    chain, sep, _ = head.rpartition("::")
+    return chain + sep + path
+
+
 def glob_url(url: str, what: str) -> tuple[str, list[tuple[str, int]]]:
     """The root of a glob URL (its directories before any wildcard, as a URL
     ending in ``/``) and the files it matches, sorted, as ``(url, size)``."""
@@ -81,7 +91,7 @@ def glob_url(url: str, what: str) -> tuple[str, list[tuple[str, int]]]:
         if _GLOB_MAGIC & set(part):
             break
         fixed.append(part)
-    root = head + "/".join(fixed) + "/"
+    root = _join(head, "/".join(fixed) + "/")
     fs.invalidate_cache()  # listed afresh each time a Loader starts
     if fs.exists(path) and not fs.isdir(path) and not _GLOB_MAGIC & set(path):
         found = {path: fs.info(path)}  # one file, named without wildcards
@@ -91,7 +101,10 @@ def glob_url(url: str, what: str) -> tuple[str, list[tuple[str, int]]]:
     for name, info in found.items():
         if info.get("type", "file") == "directory":
             continue
-        out.append((head + name, int(info.get("size") or 0)))
+        size = info.get("size")
+        if size is None:  # a listing without sizes (an HTTP index page)
+            size = fs.size(name)
+        out.append((_join(head, name), int(size or 0)))
     return root, sorted(out)
 
 

@@ -13,6 +13,13 @@ it), the number of that line (for messages) and the lines skipped this epoch.
 Resuming a compressed file decompresses the current block up to the position,
 once: ``check_state`` does it and ``restore`` carries on from there.
 
+Lines are handed out in bulk when the chain pulls many at once (the Loader
+does): the lines already buffered are decoded as one UTF-8 segment, split in
+C and parsed from ``str`` (what ``json.loads`` of their bytes would do), and
+any line that is not simply an item (blank lines aside) is left to the
+one-at-a-time path, so items, errors, skips and positions are the same either
+way. A Ctrl-C inside a ``field`` function leaves its line unread.
+
 A malformed line (not JSON, or without ``field``) raises ``ValueError``
 naming the file and line; with ``errors="skip"`` it is skipped and counted
 (``skipped`` in the state, and in ``Loader.query(name)``).
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
+from itertools import repeat
 from typing import Any
 
 import attrs
@@ -32,21 +40,42 @@ from centralpipe.errors import CheckpointError
 from centralpipe.plan.pipeline import StageSpec
 from centralpipe.stages.base import CentralNode, RunContext
 from centralpipe.stages.blocks import CODEC_MAGIC, BlockLines, PlainLines, codec_of
+from centralpipe.stages.counts import cached_count
 from centralpipe.stages.files import (
     check_current_file,
     resolve_name,
     resumable_size,
     state_name,
 )
-from centralpipe.stages.fs import open_binary
+from centralpipe.stages.fs import is_url, open_binary
 from centralpipe.validators import FieldError, checked, int_in
 
-__all__ = ["JSONL_ERRORS", "ReadJsonl", "ReadJsonlState"]
+__all__ = ["JSONL_ERRORS", "ReadJsonl", "ReadJsonlState", "count_records"]
 
 #: What ``read_jsonl`` does with a malformed line.
 JSONL_ERRORS = ("strict", "skip")
 _COUNT = checked(FieldError, "an int >= 0", int_in(0, 2**63))
 _NOT_FOUND = object()
+#: What ``bytes.isspace`` calls space, less ``\n``: a line of these is blank.
+_BLANK = " \t\r\x0b\x0c"
+_BLANK_BYTES = _BLANK.encode()
+#: Bytes read at a time when counting records.
+COUNT_CHUNK_BYTES = 1 << 20
+
+
+def count_records(path: str) -> int:
+    """The lines of an uncompressed local file that are not blank: the items
+    ``read_jsonl`` yields for it when no line is malformed. Split and stripped
+    in C, a chunk at a time; nothing is parsed."""
+    records, carry = 0, b""
+    with open(path, "rb") as f:
+        while chunk := f.read(COUNT_CHUNK_BYTES):
+            lines = (carry + chunk).split(b"\n")
+            carry = lines.pop()  # the part after the last "\n": maybe half a line
+            records += len(lines) - list(map(bytes.strip, lines, repeat(_BLANK_BYTES))).count(b"")
+    if carry.strip(_BLANK_BYTES):
+        records += 1
+    return records
 
 
 @attrs.frozen(kw_only=True)
@@ -116,9 +145,90 @@ class ReadJsonl(CentralNode[Any]):
             self._line += 1
             if raw.isspace():
                 continue
-            item = self._item(raw, line)
+            try:
+                item = self._item(raw, line)
+            except BaseException as exc:
+                if not isinstance(exc, Exception):  # interrupted: the line stays unread
+                    self._lines.advance(-len(raw))
+                    self._line = line
+                raise
             if item is not _NOT_FOUND:
                 return item
+
+    def produce_into(self, out: list[Any], n: int) -> None:
+        # The lines already buffered, in bulk: decoded once per segment and
+        # split in C. The bulk path stops, leaving the line to produce(), at the
+        # first line it would not simply turn into an item (malformed, not
+        # UTF-8, a missing field), so both give the same items, errors, skips
+        # and positions; produce() also opens and ends files.
+        before = len(out)
+        while len(out) - before < n:
+            lines, left = self._lines, n - (len(out) - before)
+            seg = lines.peek(left) if lines is not None else b""
+            if seg and self._take(seg, left, out):
+                continue  # the whole segment taken: more may be buffered
+            if len(out) > before:
+                return
+            out.append(self.produce())
+
+    def _take(self, seg: bytes, n: int, out: list[Any]) -> bool:
+        """Items of up to ``n`` lines of ``seg`` (complete lines at the reader's
+        position) appended to ``out``, and the position moved past them;
+        ``False`` if it stopped at a line for :meth:`produce`."""
+        try:
+            text: str | bytes = seg.decode("utf-8", "surrogatepass")  # as json.loads
+        except UnicodeDecodeError:
+            text = seg
+        parts: list[Any] = text.split("\n" if isinstance(text, str) else b"\n", n)  # type: ignore[arg-type]
+        rest = parts.pop()  # what follows the n-th line (b"" / "" after the last)
+        field, append, loads = self._field, out.append, json.loads
+        blank = _BLANK if isinstance(text, str) else _BLANK_BYTES
+        before = len(out)
+        passed = 0  # lines taken without an item: blank, or a field function that raised
+        whole = False
+        try:
+            for raw in parts:
+                if not raw or raw.isspace():
+                    if raw.strip(blank):  # str.isspace's other spaces: produce() says
+                        break
+                    passed += 1
+                    continue
+                try:
+                    record = loads(raw)
+                except ValueError:
+                    break
+                if field is None:
+                    append(record)
+                elif callable(field):
+                    try:
+                        item = field(record)
+                    except Exception as exc:
+                        at = self._line + len(out) - before + passed
+                        passed += 1
+                        exc.add_note(f"(in file {self._path!r} at line {at})")
+                        raise
+                    append(item)
+                else:
+                    try:
+                        item = record[field]
+                    except (KeyError, TypeError, IndexError):
+                        break
+                    append(item)
+            else:
+                whole = not rest
+        finally:
+            # Only the lines taken count: those of the items appended (whatever
+            # interrupted the loop after an append) and the blank ones passed.
+            taken = len(out) - before + passed
+            if taken:
+                if taken == len(parts) and not rest:
+                    nbytes = len(seg)
+                else:
+                    nbytes = len(seg) - len(seg.split(b"\n", taken)[-1])
+                assert self._lines is not None
+                self._lines.advance(nbytes)
+                self._line += taken
+        return whole
 
     def _item(self, raw: bytes, line: int) -> Any:
         try:
@@ -149,6 +259,19 @@ class ReadJsonl(CentralNode[Any]):
             "read_jsonl(errors='skip') to skip malformed lines and count them."
         )
         raise ValueError(msg)
+
+    @property
+    def items_exact(self) -> bool:
+        """Whether :meth:`items_in` is exact (``errors="skip"`` may skip some)."""
+        return not self._skip
+
+    def items_in(self, path: str) -> int | None:
+        """The items of one file, for known totals: its non-blank lines when it
+        is an uncompressed local file (counted once, cached by size and mtime);
+        ``None`` for compressed files and URLs, which would have to be read whole."""
+        if is_url(path) or codec_of(path) != "plain":
+            return None
+        return cached_count(path, "jsonl-records", count_records)
 
     def own_state(self) -> dict[str, Any]:
         block, offset = self._lines.position() if self._lines is not None else (0, 0)

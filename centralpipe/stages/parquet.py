@@ -2,18 +2,20 @@
 (file, row group, row).
 
 Files are read one row group at a time, and only the chosen ``columns``
-(pyarrow's ``ParquetFile.read_row_group``): memory holds one row group of those
-columns, never the whole file. With ``batch_rows=None`` each item is one row,
-a dict of column name to value (``Table.to_pylist``, converted
+(pyarrow's ``ParquetFile.iter_batches`` over that one row group, as a plain
+loop over the file would read it): memory holds the batches of one row group
+of those columns, never the whole file. With ``batch_rows=None`` each item is
+one row, a dict of column name to value (``RecordBatch.to_pylist``, converted
 ``ROWS_AT_ONCE`` rows at a time); with ``batch_rows=n`` each item is a
-``pyarrow.RecordBatch`` of up to ``n`` rows of one row group (the last batch
-of a row group may be shorter).
+``pyarrow.RecordBatch`` of up to ``n`` rows of one row group, cut at multiples
+of ``n`` from the row group's start (the last batch of a row group may be
+shorter): the reader's own batch when it is that, else sliced from its batches.
 
 The state is the open file (relative to the files stage's root), the row
 group and the rows of it already yielded. A resume reads the file's footer and
-that one row group, and starts at the row: nothing before it is yielded or
-converted again. A row group or row out of range of the file, or a file that
-is no longer Parquet, is a ``CheckpointError`` at load.
+that one row group, and starts at the row: the rows before it are decoded but
+never yielded or converted again. A row group or row out of range of the
+file, or a file that is no longer Parquet, is a ``CheckpointError`` at load.
 
 Needs the optional package ``pyarrow`` (``centralpipe[parquet]``).
 """
@@ -30,6 +32,7 @@ from torchdata.nodes import BaseNode
 from centralpipe.errors import CheckpointError
 from centralpipe.plan.pipeline import StageSpec
 from centralpipe.stages.base import CentralNode, RunContext
+from centralpipe.stages.counts import cached_count
 from centralpipe.stages.files import (
     check_current_file,
     resolve_name,
@@ -90,10 +93,15 @@ class ReadParquet(CentralNode[Any]):
         self._raw: Any = None  # the fsspec file it reads, for URLs
         self._row_group = 0
         self._row = 0
-        self._table: Any = None  # the current row group's columns
-        self._rows: list[dict[str, Any]] = []
+        #: The current row group's reader (``iter_batches`` of it), its rows,
+        #: its last batch read, that batch's first row and the next one's.
+        self._group: Any = None
+        self._group_rows = 0
+        self._batch: Any = None
+        self._batch_at = 0
+        self._next_at = 0
+        self._rows: list[dict[str, Any]] = []  # rows mode: converted rows
         self._rows_at = 0  # the row of _rows[0]
-        self._batches: list[Any] | None = None  # batches mode: the row group cut
 
     def produce(self) -> Any:
         while True:
@@ -111,40 +119,28 @@ class ReadParquet(CentralNode[Any]):
             if self._row_group >= self._file.num_row_groups:
                 self._close()
                 continue
-            table = self._table
-            if table is None:
-                table = self._table = self._file.read_row_group(
-                    self._row_group, columns=self._columns
-                )
-            row, rows = self._row, table.num_rows
-            if row >= rows:
+            batch = self._batch_of(self._row)
+            if batch is None:  # the row group is done
                 self._row_group += 1
                 self._row = 0
-                self._table, self._rows, self._batches = None, [], None
+                self._end_group()
                 continue
-            if self._batch_rows is not None:
-                n = min(self._batch_rows, rows - row)
-                if self._batches is None:
-                    # The row group cut once, at multiples of batch_rows (no copy
-                    # when each column is one chunk).
-                    whole = table.combine_chunks()
-                    self._batches = whole.to_batches(max_chunksize=self._batch_rows)
-                j, off = divmod(row, self._batch_rows)
-                if not off and j < len(self._batches) and self._batches[j].num_rows == n:
-                    self._row = row + n
-                    return self._batches[j]
-                part = table.slice(row, n)
-                batches = part.to_batches()  # one batch, no copy, when one chunk per column
-                if len(batches) != 1:
-                    batches = part.combine_chunks().to_batches()
+            row, at = self._row, self._row - self._batch_at
+            if self._batch_rows is None:
+                i = row - self._rows_at
+                if not 0 <= i < len(self._rows):
+                    # Converted from the row on: rows before a resume point never are.
+                    self._rows = batch.slice(at).to_pylist()
+                    self._rows_at, i = row, 0
+                self._row = row + 1
+                return self._rows[i]
+            n = min(self._batch_rows, self._group_rows - row)
+            if at == 0 and batch.num_rows == n:
                 self._row = row + n
-                return batches[0]
-            at = row - self._rows_at
-            if not 0 <= at < len(self._rows):
-                self._rows = table.slice(row, ROWS_AT_ONCE).to_pylist()
-                self._rows_at, at = row, 0
-            self._row = row + 1
-            return self._rows[at]
+                return batch  # the reader's own batch, as iter_batches gives it
+            out = self._cut(row, n)
+            self._row = row + n
+            return out
 
     def produce_into(self, out: list[Any], n: int) -> None:
         # Rows mode: after one produce() (which opens files and converts rows),
@@ -162,6 +158,66 @@ class ReadParquet(CentralNode[Any]):
             out.extend(self._rows[at : at + take])
         finally:
             self._row += len(out) - before  # only the rows handed out count
+
+    def _batch_of(self, row: int) -> Any:
+        """The reader's batch holding ``row`` of the current row group (``None``
+        past its last row), reading forward from the last one."""
+        if self._group is None:
+            self._group = self._file.iter_batches(
+                batch_size=self._batch_rows or ROWS_AT_ONCE,
+                row_groups=[self._row_group],
+                columns=self._columns,
+            )
+            self._group_rows = self._file.metadata.row_group(self._row_group).num_rows
+            self._batch, self._batch_at, self._next_at = None, 0, 0
+        batch = self._batch
+        while batch is None or row >= self._batch_at + batch.num_rows:
+            if row >= self._group_rows:
+                return None
+            batch = next(self._group, None)
+            if batch is None:
+                return None
+            self._batch, self._batch_at = batch, self._next_at
+            self._next_at += batch.num_rows
+        return batch
+
+    def _cut(self, row: int, n: int) -> Any:
+        """Rows ``row .. row + n`` of the row group as one batch, from the
+        reader's batches when theirs do not fall at multiples of ``batch_rows``."""
+        pa = need("pyarrow", f"stage '{self.name}' (read_parquet)")
+        parts = []
+        while n:
+            batch = self._batch_of(row)
+            assert batch is not None  # n never passes the row group's rows
+            part = batch.slice(row - self._batch_at, n)
+            parts.append(part)
+            row += part.num_rows
+            n -= part.num_rows
+        if len(parts) == 1:
+            return parts[0]
+        return pa.Table.from_batches(parts).combine_chunks().to_batches()[0]
+
+    #: :meth:`items_in` is exact: the footers say.
+    items_exact = True
+
+    def items_in(self, path: str) -> int | None:
+        """The items of one file, for known totals: from its footer, the rows,
+        or per row group its rows over ``batch_rows`` rounded up (cached by
+        size and mtime; for URLs, by size: one footer read per file)."""
+        return cached_count(path, ("parquet", self._batch_rows), self._count)
+
+    def _count(self, path: str) -> int:
+        f, raw = self._parquet(path)
+        try:
+            meta = f.metadata
+            rows = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+        finally:
+            f.close()
+            if raw is not None:
+                raw.close()
+        if self._batch_rows is None:
+            return sum(rows)
+        return sum(-(-n // self._batch_rows) for n in rows)
 
     def own_state(self) -> dict[str, Any]:
         return {
@@ -241,14 +297,18 @@ class ReadParquet(CentralNode[Any]):
                 )
                 raise ValueError(msg)
         self._file, self._raw, self._path = f, raw, path
-        self._table, self._rows, self._rows_at, self._batches = None, [], 0, None
+        self._end_group()
+
+    def _end_group(self) -> None:
+        self._group = self._batch = None
+        self._rows, self._rows_at = [], 0
 
     def _close(self) -> None:
         if self._raw is not None:
             self._raw.close()
         if self._file is not None:
             self._file.close()
-        self._file = self._raw = self._table = self._batches = None
-        self._rows = []
+        self._file = self._raw = None
+        self._end_group()
         self._path = None
         self._row_group = self._row = 0

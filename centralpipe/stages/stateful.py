@@ -21,6 +21,7 @@ An object is read by one live Loader at a time (its position is its own).
 from __future__ import annotations
 
 import copy
+import itertools
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -120,6 +121,28 @@ class StatefulIterableSource(CentralNode[Any]):
         self._loaded = None
         self._index += 1
         return item
+
+    def produce_into(self, out: list[Any], n: int) -> None:
+        # The iterator sliced in one C-level extend; only the items handed out
+        # count, whatever is raised (an item that raised was not).
+        if self._it is None:
+            self._it = iter(self._obj)
+        before = len(out)
+        interrupted = False
+        try:
+            out.extend(itertools.islice(self._it, n))
+        except BaseException as exc:
+            interrupted = not isinstance(exc, Exception)
+            raise
+        finally:
+            got = len(out) - before
+            self._index += got
+            if got:
+                self._loaded = None
+            if interrupted:  # the iterator is over: go on from the items handed out
+                self._load(self._position())
+        if not got:
+            raise StopIteration
 
     def _position(self) -> dict[str, Any]:
         if self._loaded is not None:

@@ -12,6 +12,11 @@ home), each worker kind's is in ``pipeline.WORKER_KINDS``; sources and
   the files' line counts, exact (counted over the raw bytes, cached per file by
   size and mtime); a ``filter`` or ``shard`` of the paths makes it an upper
   bound (the lines of every file);
+- ``read_parquet`` the same way: rows (or batches of ``batch_rows`` per row
+  group) from the footers, exact; ``read_jsonl``: the non-blank lines of
+  uncompressed local files, exact with ``errors="strict"`` and an upper bound
+  with ``errors="skip"``; unknown when a file is compressed or a URL (it would
+  have to be read whole);
 - ``map``, ``count``, ``shuffle``, ``collate``: unchanged; ``batch``: ceil (or
   floor with ``drop_last``); ``shard``: this rank's share;
 - ``filter``, ``bucket_by_max_tokens``, ``pack``: at most their input (each
@@ -38,12 +43,16 @@ __all__ = ["Total", "chain_totals", "exact_length", "first_unknown"]
 #: Stages between from_files and read_lines that keep the set of paths.
 SAME_PATHS = ("count", "shuffle")
 SUBSET_PATHS = ("filter", "shard")
+#: Readers whose total is their files' items (``read_lines``' lines, or the
+#: reader's ``items_in(path)``).
+FILE_READERS = ("read_lines", "read_jsonl", "read_parquet")
 
 
-def _read_lines_total(
+def _reader_total(
     specs: Sequence[StageSpec], nodes: Sequence[Any], i: int, count_files: bool
 ) -> Total | None:
-    """Lines of the files feeding ``read_lines`` at index ``i``."""
+    """Items of the files feeding the file reader at index ``i``: ``read_lines``'
+    lines, or what the reader's ``items_in`` counts (``None``: unknown)."""
     bound_by = None
     j = i - 1
     while j > 0 and specs[j].kind in SAME_PATHS + SUBSET_PATHS:
@@ -52,11 +61,20 @@ def _read_lines_total(
         j -= 1
     if not count_files or not isinstance(nodes[j], FilesSource):
         return None
+    reader = nodes[i]
+    count = count_lines if specs[i].kind == "read_lines" else reader.items_in
+    items = 0
     try:
-        lines = sum(count_lines(path) for path in nodes[j].paths)
-    except OSError:
-        return None  # unreadable now: reading will raise, naming the stage
-    return Total(lines, bound_by is None, bound_by)
+        for path in nodes[j].paths:
+            n = count(path)
+            if n is None:
+                return None
+            items += n
+    except (OSError, ValueError):
+        return None  # unreadable now (or not Parquet): reading will raise, naming the stage
+    if bound_by is None and not getattr(reader, "items_exact", True):
+        bound_by = specs[i].name
+    return Total(items, bound_by is None, bound_by)
 
 
 def _mix_total(spec: StageSpec, node: Mix, count_files: bool) -> Total | None:
@@ -102,8 +120,8 @@ def chain_totals(
                 total = None if n is None else Total(int(n))
         elif kind == "dispatch" or total is None:
             pass
-        elif kind == "read_lines":
-            total = _read_lines_total(specs, nodes, i, count_files)
+        elif kind in FILE_READERS:
+            total = _reader_total(specs, nodes, i, count_files)
         elif node is not None:
             total = node.out_total(total)  # each central kind's own rule
         elif kind in WORKER_KINDS:

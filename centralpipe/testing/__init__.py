@@ -10,6 +10,14 @@ duplicates, same order. Use it in your own tests for your own pipelines::
     def test_my_pipeline_resumes():
         assert_resumes_exactly(build_my_pipeline(), ks=[0, 10, 1000])
 
+:func:`checkpoint_after` is the step it repeats, for tests that look inside a
+checkpoint or damage one: the first ``k`` items of a fresh Loader and its
+``state_dict()`` right after them. :func:`items_until_interrupt` collects what
+an iterator yields until a ``KeyboardInterrupt`` (an injected Ctrl-C) ends it::
+
+    head, state = checkpoint_after(pipe, 3)
+    assert state["central"]["read_lines_1"]["offset"] == 18
+
 :mod:`centralpipe.testing.faults` is the deterministic fault injection the
 soak and the interrupt tests use (interrupts inside a call, damaged
 checkpoints).
@@ -20,7 +28,7 @@ from __future__ import annotations
 import io
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import islice
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,7 +36,13 @@ from centralpipe.config import LoaderConfig
 from centralpipe.loader import Loader
 from centralpipe.plan.pipeline import Pipeline
 
-__all__ = ["assert_resumes_exactly", "collect"]
+__all__ = [
+    "Checkpoint",
+    "assert_resumes_exactly",
+    "checkpoint_after",
+    "collect",
+    "items_until_interrupt",
+]
 
 #: Above this many items the default ``ks`` is a spread instead of every k.
 EVERY_K_MAX = 200
@@ -66,6 +80,47 @@ def _equal(a: Any, b: Any) -> bool:
 def collect(loader: Iterable[Any]) -> list[Any]:
     """All items of one pass over ``loader`` (one epoch, or the rest of one)."""
     return list(loader)
+
+
+class Checkpoint(NamedTuple):
+    """What :func:`checkpoint_after` returns: the items delivered, and the
+    ``state_dict()`` taken right after the last of them."""
+
+    items: list[Any]
+    state: dict[str, Any]
+
+
+def checkpoint_after(
+    pipeline: Pipeline, k: int, config: LoaderConfig | None = None, *, epochs: int = 1
+) -> Checkpoint:
+    """The first ``k`` items of a fresh :class:`Loader` (built with ``config``)
+    and its ``state_dict()`` right after the ``k``-th, the Loader then closed.
+
+    ``k`` counts items across ``epochs`` consecutive passes; fewer than ``k``
+    items come back when the run ends before (the state is then the end's).
+    Raises ``ValueError`` for a negative ``k`` or ``epochs < 1``."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"`k` must be an int >= 0, got {k!r}.")
+    if epochs < 1:
+        raise ValueError(f"`epochs` must be >= 1, got {epochs}.")
+    loader: Loader[Any]
+    with Loader(pipeline, config) as loader:
+        head = _take(loader, k, epochs)
+        return Checkpoint(head, loader.state_dict())
+
+
+def items_until_interrupt(iterator: Iterable[Any]) -> list[Any]:
+    """The items ``iterator`` yields before a ``KeyboardInterrupt`` ends it.
+
+    For tests that inject a Ctrl-C: the iterator (e.g. ``iter(loader)``) can
+    be used again afterwards. Raises ``AssertionError`` if it ends without one."""
+    got: list[Any] = []
+    try:
+        for item in iterator:
+            got.append(item)
+    except KeyboardInterrupt:
+        return got
+    raise AssertionError(f"no KeyboardInterrupt: the iterator ended after {len(got)} items.")
 
 
 def _torch_roundtrip(state_dict: Mapping[str, Any]) -> Any:

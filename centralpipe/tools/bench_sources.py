@@ -5,7 +5,7 @@ For each reader, rows per second of draining its central chain (no Loader, no
 workers: the feeder's own work in the main process) next to a plain loop over
 the same file with the library alone (``json.loads`` over the lines of
 ``open``/``gzip.open``/a zstd stream, pyarrow's ``iter_batches``, iteration of a
-``datasets.Dataset``), best of ``REPEATS`` each, interleaved. Mid-file, the
+``datasets.Dataset``), best of ``REPEATS`` each, run in turns. Mid-file, the
 size of the checkpoint (``torch.save`` bytes) and the time of
 ``state_dict()``; and for compressed files the time of ``load_state_dict`` near
 the end of the file, written as one block and as blocks of ``BLOCK_BYTES``
@@ -80,17 +80,23 @@ def _write_files(root: Path, n: int) -> dict[str, Path]:
     return out
 
 
-def _best(fn: Callable[[], int]) -> tuple[float, int]:
-    best, rows = float("inf"), 0
+def _best_of_pair(
+    reader: Callable[[], int], direct: Callable[[], int]
+) -> tuple[tuple[float, int], tuple[float, int]]:
+    """Best seconds (and items) of each of two loops, run in turns ``REPEATS``
+    times, so a busy spell of a shared machine slows both alike."""
+    best = [float("inf"), float("inf")]
+    items = [0, 0]
     gc.disable()
     try:
         for _ in range(REPEATS):
-            start = time.perf_counter()
-            rows = fn()
-            best = min(best, time.perf_counter() - start)
+            for i, fn in enumerate((reader, direct)):
+                start = time.perf_counter()
+                items[i] = fn()
+                best[i] = min(best[i], time.perf_counter() - start)
     finally:
         gc.enable()
-    return best, rows
+    return (best[0], items[0]), (best[1], items[1])
 
 
 def _drain(pipe: cp.Pipeline) -> int:
@@ -262,8 +268,10 @@ def measure(scale: int = 1, log: Callable[[str], None] = lambda _: None) -> dict
             )
         for name, file_key, pipe, direct, what in cases:
             log(f"sources: {name}")
-            reader_s, items = _best(lambda p=pipe: _drain(p))  # type: ignore[misc]
-            direct_s, direct_items = _best(direct)
+            (reader_s, items), (direct_s, direct_items) = _best_of_pair(
+                lambda p=pipe: _drain(p),  # type: ignore[misc]
+                direct,
+            )
             rows = n  # batches too: rows per second
             out[name] = {
                 "rows": rows,

@@ -7,8 +7,12 @@ checkpoint (:meth:`~Central.state`, :meth:`~Central.load`), reads
 :meth:`~Central.length`, :meth:`~Central.worker_states`,
 :meth:`~Central.worker_pids`), :meth:`~Central.stop` (end the current
 pass) and :meth:`~Central.close`. :func:`open_central` picks the
-implementation: :class:`~centralpipe.dispatch.local.LocalCentral`, the
-central stages, the dispatch and the worker pool in the caller's process.
+implementation from ``LoaderConfig.central``:
+
+- ``"process"``: :class:`~centralpipe.dispatch.local.LocalCentral`, the
+  central stages, the dispatch and the worker pool in the caller's process;
+- ``"service"``: :class:`~centralpipe.dispatch.service.ServiceClient`, a thin
+  client of a ``LocalCentral`` run in one helper process for this Loader.
 
 The Loader does not know which it has: every method behaves the same, and
 ``state()`` has the same per-rank format in every mode.
@@ -21,6 +25,7 @@ from typing import Any, Protocol
 
 from centralpipe.config import LoaderConfig
 from centralpipe.dispatch.local import LocalCentral
+from centralpipe.dispatch.service import ServiceClient
 from centralpipe.plan.pipeline import Pipeline
 from centralpipe.stages.totals import Total
 
@@ -59,6 +64,8 @@ class Central(Protocol):
 
 
 def open_central(pipeline: Pipeline, config: LoaderConfig) -> Central:
-    """The Loader's central part, started as far as it starts before the
-    first pass (workers in the background)."""
+    """The central part ``config.central`` asks for, started as far as it
+    starts before the first pass (workers in the background, the service)."""
+    if config.central == "service":
+        return ServiceClient(pipeline, config)
     return LocalCentral(pipeline, config)

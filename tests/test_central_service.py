@@ -54,10 +54,10 @@ def worker_fails_at_3(x: int) -> int:
     return x
 
 
-def _config(central: str, num_workers: int = 2, **workers: Any) -> cp.LoaderConfig:
+def _config(central: str, num_workers: int = 2, chunk_size: int = 2) -> cp.LoaderConfig:
     return cp.LoaderConfig(
         workers=cp.WorkerConfig(
-            num_workers=num_workers, start_method="fork", chunk_size=2, **workers
+            num_workers=num_workers, start_method="fork", chunk_size=chunk_size
         ),
         central=central,
     )
@@ -224,6 +224,41 @@ def test_bad_calls_raise_as_in_process_mode(call: Any, error: type, match: str) 
             messages.append(str(info.value))
             assert list(loader) == ["0", "1", "4", "9"]
     assert messages[0] == messages[1]
+
+
+def wait_for_flag(x: int) -> int:
+    """Item 0 waits (in a worker) until the file named by ``FLAG_FILE`` exists."""
+    if x == 0:
+        while not os.path.exists(os.environ["FLAG_FILE"]):
+            time.sleep(0.01)
+    return x
+
+
+def test_metrics_never_wait_for_a_next_in_progress(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While another thread's ``next()`` waits for an output, ``metrics()`` and
+    ``worker_pids()`` answer at once (a second connection), as in process mode."""
+    import threading
+
+    flag = tmp_path / "go"
+    monkeypatch.setenv("FLAG_FILE", str(flag))
+    pipe = cp.Pipeline.from_iterable(range(4)).dispatch().map(wait_for_flag)
+    with cp.Loader(pipe, _config("service", chunk_size=1)) as loader:
+        got: list[int] = []
+        it = iter(loader)
+        consumer = threading.Thread(target=lambda: got.append(next(it)))
+        consumer.start()
+        deadline = time.monotonic() + 30
+        while loader.metrics()["dispatch"]["dispatched"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        metrics = loader.metrics()
+        pids = loader.worker_pids()
+        assert consumer.is_alive() and got == []  # answered while next() waits
+        assert metrics["dispatch"]["delivered"] == 0 and len(pids) == 2
+        flag.touch()
+        consumer.join(30)
+        assert got == [0] and list(it) == [1, 2, 3]
 
 
 def test_len_of_an_unknown_length_is_a_type_error_in_the_service() -> None:

@@ -27,6 +27,9 @@ each call is one request and one reply on one connection.
   sees the client gone; its workers notice the service gone on their own.
   Ctrl-C reaches the service too (one process group) and is ignored there: the
   client decides, as the main process does for its workers.
+- **Threads**: requests take turns on the first connection; ``metrics()`` and
+  ``worker_pids()``, which never wait in any mode, go on a second one that a
+  thread of the service answers, so they are not queued behind a ``next()``.
 """
 
 from __future__ import annotations
@@ -107,25 +110,31 @@ def serve(
         name="centralpipe-service-watchdog",
         daemon=True,
     ).start()
-    conn = _first_client(path, token, client_pid, ready)
-    if conn is None:
+    conns = _clients(path, token, client_pid, ready)
+    if conns is None:
         return
+    conn, control = conns
     ring: RingWriter | None = None
     try:
         if with_ring:  # the first thing on the connection (see wire.shm)
             ring = receive_ring(conn)
-        _Server(conn, ring).run(pipeline, config)
+        _Server(conn, ring).run(pipeline, config, control)
     except (EOFError, OSError):  # the client went away
         pass
     finally:
         conn.close()
+        control.close()
 
 
-def _first_client(path: str, token: bytes, client_pid: int, ready: Connection) -> Connection | None:
-    """Listen at ``path`` until the client authenticates; then remove the
+def _clients(
+    path: str, token: bytes, client_pid: int, ready: Connection
+) -> tuple[Connection, Connection] | None:
+    """Listen at ``path`` until the client has authenticated its two
+    connections (requests, then reads that never wait); then remove the
     socket (and its directory when empty). Peers that fail to authenticate
     are dropped and the wait goes on; ``None`` if the client never comes."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conns: list[Connection] = []
     try:
         listener.bind(path)
         listener.listen(8)
@@ -133,17 +142,21 @@ def _first_client(path: str, token: bytes, client_pid: int, ready: Connection) -
         ready.send_bytes(b"ready")
         ready.close()
         deadline = time.monotonic() + ACCEPT_TIMEOUT_S
-        while time.monotonic() < deadline:
+        while len(conns) < 2 and time.monotonic() < deadline:
             try:
-                return rendezvous.accept(listener, token, expect_pid=client_pid)
+                conns.append(rendezvous.accept(listener, token, expect_pid=client_pid))
             except ServiceError:
                 continue  # not our client: refused, keep waiting for it
             except (TimeoutError, OSError):
-                return None
-        return None
+                break
     finally:
         listener.close()
         _remove_socket(path)
+    if len(conns) < 2:
+        for c in conns:
+            c.close()
+        return None
+    return conns[0], conns[1]
 
 
 def _remove_socket(path: str) -> None:
@@ -162,13 +175,19 @@ class _Server:
         self._pass_id = 0
         self._outputs: Iterator[Any] | None = None
 
-    def run(self, pipeline: Pipeline, config: LoaderConfig) -> None:
+    def run(self, pipeline: Pipeline, config: LoaderConfig, control: Connection) -> None:
         try:
             central = LocalCentral(pipeline, config)
         except Exception as exc:
             self._reply("err", exc)
             return
         try:
+            threading.Thread(
+                target=_serve_reads,
+                args=(central, control),
+                name="centralpipe-service-reads",
+                daemon=True,
+            ).start()
             self._reply("ok", central.epoch)
             while True:
                 op, args = self._conn.recv()
@@ -230,7 +249,24 @@ class _Server:
         transport.write(self._conn, msg, self._ring)
 
 
-_READS = ("state", "metrics", "total", "length", "worker_states", "worker_pids")
+_READS = ("state", "total", "length", "worker_states")
+#: Reads that never wait (``LocalCentral`` answers them from any thread): served
+#: on their own connection, so they are not queued behind a ``next()``.
+_NEVER_WAIT = ("metrics", "worker_pids")
+
+
+def _serve_reads(central: LocalCentral, conn: Connection) -> None:
+    """The service's second connection: ``_NEVER_WAIT`` reads, in a thread."""
+    with contextlib.suppress(EOFError, OSError):
+        while True:
+            op, _ = conn.recv()
+            try:
+                if op not in _NEVER_WAIT:
+                    raise ValueError(f"unknown read {op!r}")
+                reply: tuple[str, Any] = ("ok", getattr(central, op)())
+            except Exception as exc:
+                reply = ("err", exc)
+            transport.send(conn, reply)
 
 
 # -- the client (training process) --------------------------------------------------
@@ -243,6 +279,7 @@ class _Link:
     proc: Any
     path: str
     conn: Connection | None = None
+    control: Connection | None = None
     ring: shm.Ring | None = None
     pinner: Pinner | None = None
     exit_hook: Any = None
@@ -267,6 +304,9 @@ def _shutdown(link: _Link) -> None:
     if conn is not None:
         conn.close()
         link.conn = None
+    if link.control is not None:
+        link.control.close()
+        link.control = None
     if link.ring is not None:
         link.ring.close()
         link.ring = None
@@ -304,6 +344,7 @@ class ServiceClient:
         self._owed: collections.deque[tuple[str, tuple[Any, ...]]] = collections.deque()
         self._held: tuple[int, Any] | None = None  # an owed "next" reply, not yet handed out
         self._lock = threading.Lock()
+        self._reads_lock = threading.Lock()
         try:
             try:
                 proc.start()
@@ -326,6 +367,7 @@ class ServiceClient:
             finally:
                 ready_r.close()
             link.conn = rendezvous.connect(path, token, expect_pid=proc.pid)
+            link.control = rendezvous.connect(path, token, expect_pid=proc.pid)
             if with_ring:
                 link.ring = shm.Ring(config.workers.shared_memory_bytes)
                 if not link.ring.hand_over(link.conn):
@@ -363,9 +405,12 @@ class ServiceClient:
         )
         raise ServiceError(self._dead)
 
-    def _receive(self) -> tuple[str, Any]:
+    def _receive(
+        self, conn: Connection | None = None, ring: shm.Ring | None = None
+    ) -> tuple[str, Any]:
         """The next reply, waiting on the connection and the service's sentinel."""
-        conn = self._link.conn
+        if conn is None:
+            conn, ring = self._link.conn, self._link.ring
         assert conn is not None
         sentinel = self._link.proc.sentinel
         while True:
@@ -375,7 +420,7 @@ class ServiceClient:
             if ready:
                 self._died("during a request")
         try:
-            reply: tuple[str, Any] = transport.recv(conn, self._link.ring)
+            reply: tuple[str, Any] = transport.recv(conn, ring)
         except (EOFError, OSError):
             self._died("during a request")
         except BaseException:
@@ -465,8 +510,26 @@ class ServiceClient:
         value: dict[str, Any] = self._call("query", name, delivered)[1]
         return value
 
+    def _read(self, op: str) -> Any:
+        """A read that never waits, on the second connection (not queued
+        behind a request in progress on the first)."""
+        with self._reads_lock:
+            if self._dead is not None:
+                raise ServiceError(self._dead)
+            conn = self._link.control
+            if conn is None:
+                raise RuntimeError("this Loader is closed.")
+            try:
+                conn.send((op, ()))
+            except OSError:
+                self._died("before a request")
+            kind, value = self._receive(conn, None)
+        if kind == "err":
+            raise value
+        return value
+
     def metrics(self) -> dict[str, Any]:
-        value: dict[str, Any] = self._call("metrics")[1]
+        value: dict[str, Any] = self._read("metrics")
         return value
 
     def total(self, stage: str | None = None) -> Total | None:
@@ -482,7 +545,7 @@ class ServiceClient:
         return value
 
     def worker_pids(self) -> list[int]:
-        value: list[int] = self._call("worker_pids")[1]
+        value: list[int] = self._read("worker_pids")
         return value
 
     def close(self) -> None:

@@ -14,7 +14,7 @@ Contenders, each for the same number of steps after one warm-up step:
 precomputed batches (a list: the floor), torch's ``DataLoader`` (2 workers,
 each tokenizing and bucketing every second line), and centralpipe with
 ``central="process"`` and ``central="service"``. Two runs each, interleaved;
-the report keeps both.
+the report keeps both (``--scale`` above 1: one run, on a share of the corpus).
 """
 
 from __future__ import annotations
@@ -149,10 +149,13 @@ def measure(scale: int, log: Callable[[str], None]) -> ModesResult:
     ]
     if not corpus:
         raise RuntimeError(f"modes: no corpus at {CORPUS_GLOB} (it ships with the source tree).")
+    if scale > 1:  # a smoke run: a share of the corpus, one run per contender
+        corpus = corpus[: max(1000, len(corpus) // scale)]
     tok = train_py_tokenizer(corpus)
     spin = calibrate_spin(PY_MS / 1e3)
     steps = max(10, STEPS // scale)
-    lines = corpus * 4  # enough batches for the steps of every contender
+    per_corpus = sum(1 for _ in TokenBuckets(corpus, tok))
+    lines = corpus * (-(-(steps + 2) // per_corpus))  # enough batches for the steps
     res = ModesResult(steps=steps)
     alone = []
     for _ in range(50):
@@ -160,7 +163,7 @@ def measure(scale: int, log: Callable[[str], None]) -> ModesResult:
         spin(0)
         alone.append(time.perf_counter() - t0)
     res.py_alone_s = statistics.quantiles(alone, n=10)[-1]
-    for attempt in range(RUNS):
+    for attempt in range(RUNS if scale == 1 else 1):
         for name, fn in CONTENDERS:
             log(f"modes: {name}, run {attempt + 1}")
             res.runs.setdefault(name, []).append(fn(lines, tok, spin, steps))

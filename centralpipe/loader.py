@@ -5,8 +5,11 @@ was taken in); it starts at the iterator's first ``next()``, not at
 ``iter()``. Everything central (the central stages, the worker pool, the
 current run, the pending checkpoint) sits behind one object,
 :class:`~centralpipe.dispatch.central.Central`, the only part of
-``dispatch/`` the Loader knows; it lives in the caller's process. The worker
-processes are kept across epochs (with ``forkserver`` and ``spawn`` they
+``dispatch/`` the Loader knows. With the default ``central="process"`` it
+lives in the caller's process; with ``central="service"`` in one helper
+process, the Loader keeping a thin client of the same surface
+(:mod:`centralpipe.dispatch.service`). The worker processes are kept across
+epochs (with ``forkserver`` and ``spawn`` they
 start in the background when the Loader is created, so the first pass only
 sends them work; ``fork`` workers start at the first pass).
 """

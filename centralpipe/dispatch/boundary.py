@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from centralpipe.dispatch.executors.pool import Executor
@@ -194,9 +194,6 @@ class Run:
     @property
     def stopping(self) -> bool:
         return self.stream.stopping
-
-    def outputs(self) -> Iterator[Any]:
-        return self.stream.outputs()
 
     def __iter__(self) -> Run:
         return self

@@ -518,6 +518,8 @@ class ServiceClient:
                 raise ServiceError(self._dead)
             conn = self._link.control
             if conn is None:
+                if op == "worker_pids":  # as in process mode: no live worker
+                    return []
                 raise RuntimeError("this Loader is closed.")
             try:
                 conn.send((op, ()))

@@ -41,6 +41,7 @@ __all__ = [
     "accept",
     "connect",
     "job_key",
+    "listen",
     "new_token",
     "peer_credentials",
     "private_dir",
@@ -55,6 +56,7 @@ _MAX_HELLO = len(_HELLO) + _NONCE_BYTES
 _MAX_ANSWER = hashlib.sha256().digest_size
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+_BIND_ATTEMPTS = 20
 
 
 def job_key() -> str:
@@ -75,7 +77,10 @@ def private_dir(key: str) -> Path:
     user that only this user can enter (another user could watch or replace
     the socket in it)."""
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    path = Path(base) / f"centralpipe-{os.getuid()}-{key}"
+    return _ensure_private(Path(base) / f"centralpipe-{os.getuid()}-{key}")
+
+
+def _ensure_private(path: Path) -> Path:
     try:
         path.mkdir(mode=0o700)
     except FileExistsError:
@@ -89,6 +94,29 @@ def private_dir(key: str) -> Path:
         )
         raise ServiceError(msg)
     return path
+
+
+def listen(path: str, backlog: int = 8) -> socket.socket:
+    """A Unix socket listening at ``path``, in its private directory. The
+    directory is made again if another service of the job removed it (each
+    removes it, when empty, once its client is in) between its creation and
+    the bind; once the socket is in it, it is not empty and stays."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        for _ in range(_BIND_ATTEMPTS):
+            _ensure_private(Path(path).parent)
+            try:
+                sock.bind(path)
+                break
+            except FileNotFoundError:
+                continue
+        else:
+            raise ServiceError(f"could not bind the central service's socket at {path!r}.")
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:

@@ -41,7 +41,6 @@ import itertools
 import multiprocessing
 import os
 import signal
-import socket
 import threading
 import time
 import weakref
@@ -133,11 +132,9 @@ def _clients(
     connections (requests, then reads that never wait); then remove the
     socket (and its directory when empty). Peers that fail to authenticate
     are dropped and the wait goes on; ``None`` if the client never comes."""
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conns: list[Connection] = []
+    listener = rendezvous.listen(path)
     try:
-        listener.bind(path)
-        listener.listen(8)
         listener.settimeout(ACCEPT_TIMEOUT_S)
         ready.send_bytes(b"ready")
         ready.close()

@@ -261,6 +261,75 @@ def test_metrics_never_wait_for_a_next_in_progress(
         assert got == [0] and list(it) == [1, 2, 3]
 
 
+def test_ctrl_c_while_waiting_for_an_output_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real SIGINT while ``next()`` waits for the service raises
+    ``KeyboardInterrupt``; the service keeps going (it ignores SIGINT), the
+    next ``next()`` hands out the output that was on its way, and a state
+    then resumes after it, exactly."""
+    import threading
+
+    flag = tmp_path / "go"
+    monkeypatch.setenv("FLAG_FILE", str(flag))
+    pipe = cp.Pipeline.from_iterable(range(4)).dispatch().map(wait_for_flag)
+    with cp.Loader(pipe, _config("service", chunk_size=1)) as loader:
+        it = iter(loader)
+        timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                next(it)
+        finally:
+            timer.join(10)
+        flag.touch()
+        assert next(it) == 0
+        state = loader.state_dict()
+        assert list(it) == [1, 2, 3] and loader.epoch == 1  # one pass, not restarted
+    with cp.Loader(pipe, _config("service", chunk_size=1)) as loader:
+        loader.load_state_dict(state)
+        assert list(loader) == [1, 2, 3]
+
+
+def slow_source() -> Any:
+    """A source whose every pass takes a second to open (inside the pass's start)."""
+    time.sleep(1.0)
+    return iter(range(4))
+
+
+def test_ctrl_c_while_a_pass_starts_in_the_service_starts_it_once() -> None:
+    """A real SIGINT while the service starts a pass: the next ``next()`` takes
+    the pass the service started (epoch 1, every item), not a second one."""
+    import threading
+
+    pipe = cp.Pipeline.from_iterable(slow_source).dispatch().map(square)
+    with cp.Loader(pipe, _config("service", num_workers=0)) as loader:
+        it = iter(loader)
+        timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                next(it)
+        finally:
+            timer.join(10)
+        assert [op for op, _ in loader._central._owed] == ["start"]  # type: ignore[attr-defined]
+        assert list(it) == [0, 1, 4, 9] and loader.epoch == 1
+
+
+def test_garbage_collection_without_close_ends_the_service() -> None:
+    """A service loader dropped mid-epoch without ``close()``: its finalizer
+    ends the service (and so its workers) at once."""
+    import gc
+
+    loader = cp.Loader(_pipe(), _config("service"))
+    it = iter(loader)
+    assert next(it) == 2
+    pid = loader._central.service_pid  # type: ignore[attr-defined]
+    del it, loader
+    gc.collect()
+    assert not alive(pid)
+
+
 def test_len_of_an_unknown_length_is_a_type_error_in_the_service() -> None:
     """``len()`` of a loader whose length is unknown raises ``TypeError``."""
     pipe = cp.Pipeline.from_iterable(range(4)).filter(odd).dispatch().map(str)

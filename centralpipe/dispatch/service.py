@@ -73,6 +73,11 @@ POLL_S = 0.5
 ACCEPT_TIMEOUT_S = 60.0
 
 _IDS = itertools.count()
+#: Requests whose reply a cut-short call keeps for the same request next
+#: (``ServiceClient._drain``): an output, a started pass.
+_KEPT = ("next", "start")
+#: Requests after which such a kept reply is void.
+_ENDS_A_PASS = ("start", "stop", "load", "set_next_epoch")
 _SUPERSEDED = (
     "this iterator was superseded: iter(loader), load_state_dict() or close() "
     "was called since it started; iterate the loader again."
@@ -339,7 +344,8 @@ class ServiceClient:
         #: Requests sent whose replies are not read yet, oldest first (more
         #: than the current one only after an interrupt cut a call short).
         self._owed: collections.deque[tuple[str, tuple[Any, ...]]] = collections.deque()
-        self._held: tuple[int, Any] | None = None  # an owed "next" reply, not yet handed out
+        #: The reply of a cut-short ``next`` or ``start``, for the same request next.
+        self._held: tuple[tuple[str, tuple[Any, ...]], tuple[str, Any]] | None = None
         self._lock = threading.Lock()
         self._reads_lock = threading.Lock()
         try:
@@ -433,13 +439,15 @@ class ServiceClient:
 
     def _drain(self) -> None:
         """Read the replies owed to calls that an interrupt cut short; an
-        owed ``next`` keeps its output for the pass's next ``next()``."""
+        owed ``next`` keeps its output for the pass's next ``next()``, an owed
+        ``start`` its pass for the next ``start()`` (the service started it:
+        starting again would skip an epoch)."""
         while self._owed:
             op, args = self._owed[0]
             reply = self._receive()
             self._owed.popleft()  # no call between the reply and its record
-            if op == "next" and reply[0] != "err":
-                self._held = (args[0], reply)
+            if op in _KEPT and reply[0] != "err":
+                self._held = ((op, args), reply)
 
     def _call(self, op: str, *args: Any) -> tuple[str, Any]:
         """One request and its reply ``(kind, value)``; an error reply is raised.
@@ -454,6 +462,12 @@ class ServiceClient:
         if conn is None:
             raise RuntimeError("this Loader is closed.")
         self._drain()
+        held = self._held
+        if held is not None and held[0] == (op, args):
+            self._held = None
+            return held[1]  # what a cut-short call of the same request was getting
+        if op in _ENDS_A_PASS:
+            self._held = None
         self._owed.append((op, args))
         try:
             conn.send((op, args))
@@ -469,17 +483,12 @@ class ServiceClient:
     # -- the surface ----------------------------------------------------------------
 
     def start(self) -> Iterator[Any]:
-        self._held = None
         _, (pass_id, epoch) = self._call("start")
         self._epoch = epoch
         return _RemotePass(self, pass_id)
 
     def next_output(self, pass_id: int) -> Any:
-        held, self._held = self._held, None
-        if held is not None and held[0] == pass_id:
-            kind, value = held[1]
-        else:
-            kind, value = self._call("next", pass_id)
+        kind, value = self._call("next", pass_id)
         if kind == "end":
             raise StopIteration
         pinner = self._link.pinner
@@ -488,11 +497,9 @@ class ServiceClient:
         return value
 
     def stop(self) -> None:
-        self._held = None
         self._call("stop")
 
     def set_next_epoch(self, epoch: int) -> None:
-        self._held = None
         self._epoch = self._call("set_next_epoch", epoch)[1]
 
     def state(self, what: str = "state_dict()") -> dict[str, Any]:
@@ -500,7 +507,6 @@ class ServiceClient:
         return value
 
     def load(self, state_dict: dict[str, Any]) -> None:
-        self._held = None
         self._epoch = self._call("load", state_dict)[1]
 
     def query(self, name: str, *, delivered: bool = False) -> dict[str, Any]:

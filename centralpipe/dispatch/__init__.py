@@ -17,8 +17,10 @@ Main process, one pass of the Loader:
   part can run in this process or elsewhere without the Loader knowing.
 - ``local``     that part in this process: the central stages, the worker
   pool, the runs and the pending checkpoint.
-- ``service``   ``central="service"``: that part in one helper process, and
-  the thin client the Loader keeps (outputs through a shared-memory ring).
+- ``service``   ``central="service"``: that part in one helper process (the
+  service's side: its request loop, its watchdog).
+- ``client``    the thin client of a service that the Loader keeps (outputs
+  through a shared-memory ring).
 - ``rendezvous`` finding and trusting a service: the private socket
   directory of the job, peer credentials, the token handshake.
 - ``boundary``  assembling a run of every stream (``Run``).

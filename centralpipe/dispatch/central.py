@@ -11,7 +11,7 @@ implementation from ``LoaderConfig.central``:
 
 - ``"process"``: :class:`~centralpipe.dispatch.local.LocalCentral`, the
   central stages, the dispatch and the worker pool in the caller's process;
-- ``"service"``: :class:`~centralpipe.dispatch.service.ServiceClient`, a thin
+- ``"service"``: :class:`~centralpipe.dispatch.client.ServiceClient`, a thin
   client of a ``LocalCentral`` run in one helper process for this Loader.
 
 The Loader does not know which it has: every method behaves the same, and
@@ -24,8 +24,8 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from centralpipe.config import LoaderConfig
+from centralpipe.dispatch.client import ServiceClient
 from centralpipe.dispatch.local import LocalCentral
-from centralpipe.dispatch.service import ServiceClient
 from centralpipe.plan.pipeline import Pipeline
 from centralpipe.stages.totals import Total
 

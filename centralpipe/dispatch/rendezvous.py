@@ -21,6 +21,7 @@ Only the standard library: ``socket``, ``hmac``, ``secrets`` and
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
@@ -45,6 +46,7 @@ __all__ = [
     "new_token",
     "peer_credentials",
     "private_dir",
+    "remove_socket",
 ]
 
 #: Longest wait for each message of the authentication exchange.
@@ -117,6 +119,14 @@ def listen(path: str, backlog: int = 8) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def remove_socket(path: str) -> None:
+    """Remove the socket at ``path`` and its directory, if that is empty now."""
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.dirname(path))  # only when empty: other Loaders' sockets stay
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:

@@ -419,6 +419,18 @@ def test_a_pipeline_that_cannot_be_pickled_for_spawn_is_a_pipeline_error() -> No
         cp.Loader(pipe, config)
 
 
+def test_a_service_that_does_not_start_in_time_is_stopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A service not ready within ``START_TIMEOUT_S`` is a ``ServiceError``
+    saying so, and it is stopped (no process left)."""
+    from centralpipe.dispatch import client
+
+    monkeypatch.setattr(client, "START_TIMEOUT_S", 1e-6)
+    with pytest.raises(cp.ServiceError, match=r"did not start within START_TIMEOUT_S=1e-06 s"):
+        cp.Loader(_pipe(), _config("service", num_workers=0))
+
+
 def test_a_stage_that_fails_to_build_fails_the_loader() -> None:
     """An error building the central stages in the service is raised by the
     Loader's constructor, as in process mode."""

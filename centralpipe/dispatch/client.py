@@ -144,7 +144,14 @@ class ServiceClient:
             # Before multiprocessing's own exit hook (which joins this process).
             atexit.register(self._finalizer)
             try:
-                if not wait([ready_r, proc.sentinel], START_TIMEOUT_S) or not ready_r.poll():
+                if not wait([ready_r, proc.sentinel], START_TIMEOUT_S):
+                    msg = (
+                        f"the central service (pid {proc.pid}) did not start within "
+                        f"START_TIMEOUT_S={START_TIMEOUT_S} s; it was stopped. Is the machine "
+                        "out of memory or processes?"
+                    )
+                    raise ServiceError(msg)
+                if not ready_r.poll():
                     self._died("while starting")
             finally:
                 ready_r.close()

@@ -4,6 +4,7 @@ its rendezvous (private directory, peer credentials, token)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import signal
@@ -11,6 +12,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -239,8 +241,6 @@ def test_metrics_never_wait_for_a_next_in_progress(
 ) -> None:
     """While another thread's ``next()`` waits for an output, ``metrics()`` and
     ``worker_pids()`` answer at once (a second connection), as in process mode."""
-    import threading
-
     flag = tmp_path / "go"
     monkeypatch.setenv("FLAG_FILE", str(flag))
     pipe = cp.Pipeline.from_iterable(range(4)).dispatch().map(wait_for_flag)
@@ -261,6 +261,17 @@ def test_metrics_never_wait_for_a_next_in_progress(
         assert got == [0] and list(it) == [1, 2, 3]
 
 
+def _interrupted_next(it: Any) -> None:
+    """``next(it)`` cut short by a real SIGINT sent 0.3 s into it."""
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+    finally:
+        timer.join(10)
+
+
 def test_ctrl_c_while_waiting_for_an_output_loses_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -268,20 +279,13 @@ def test_ctrl_c_while_waiting_for_an_output_loses_nothing(
     ``KeyboardInterrupt``; the service keeps going (it ignores SIGINT), the
     next ``next()`` hands out the output that was on its way, and a state
     then resumes after it, exactly."""
-    import threading
 
     flag = tmp_path / "go"
     monkeypatch.setenv("FLAG_FILE", str(flag))
     pipe = cp.Pipeline.from_iterable(range(4)).dispatch().map(wait_for_flag)
     with cp.Loader(pipe, _config("service", chunk_size=1)) as loader:
         it = iter(loader)
-        timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
-        timer.start()
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                next(it)
-        finally:
-            timer.join(10)
+        _interrupted_next(it)
         flag.touch()
         assert next(it) == 0
         state = loader.state_dict()
@@ -300,18 +304,11 @@ def slow_source() -> Any:
 def test_ctrl_c_while_a_pass_starts_in_the_service_starts_it_once() -> None:
     """A real SIGINT while the service starts a pass: the next ``next()`` takes
     the pass the service started (epoch 1, every item), not a second one."""
-    import threading
 
     pipe = cp.Pipeline.from_iterable(slow_source).dispatch().map(square)
     with cp.Loader(pipe, _config("service", num_workers=0)) as loader:
         it = iter(loader)
-        timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
-        timer.start()
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                next(it)
-        finally:
-            timer.join(10)
+        _interrupted_next(it)
         assert [op for op, _ in loader._central._owed] == ["start"]  # type: ignore[attr-defined]
         assert list(it) == [0, 1, 4, 9] and loader.epoch == 1
 
@@ -319,8 +316,6 @@ def test_ctrl_c_while_a_pass_starts_in_the_service_starts_it_once() -> None:
 def test_garbage_collection_without_close_ends_the_service() -> None:
     """A service loader dropped mid-epoch without ``close()``: its finalizer
     ends the service (and so its workers) at once."""
-    import gc
-
     loader = cp.Loader(_pipe(), _config("service"))
     it = iter(loader)
     assert next(it) == 2
@@ -522,8 +517,6 @@ def test_a_silent_peer_is_dropped_after_the_handshake_timeout(
 def test_a_wrong_token_is_refused_on_both_sides(listener: Any) -> None:
     """A client with another job's token is refused by the service, and the
     client refuses the service too: neither proves the other's token."""
-    import threading
-
     sock, path = listener
     errors: list[BaseException] = []
 
@@ -545,8 +538,6 @@ def test_a_wrong_token_is_refused_on_both_sides(listener: Any) -> None:
 def test_the_right_token_and_credentials_connect(listener: Any) -> None:
     """With the token, both ends authenticate; the kernel's peer credentials
     name this process; an unexpected pid is refused."""
-    import threading
-
     sock, path = listener
     out: list[Any] = []
     thread = threading.Thread(target=lambda: out.append(rendezvous.connect(path, b"k" * 32)))

@@ -349,15 +349,8 @@ class LocalCentral:
         )
 
     def load(self, state_dict: dict[str, Any]) -> None:
-        """Resume at the checkpoint's position at the next ``iter()``.
-
-        The whole checkpoint is checked first, against the typed model
-        (:mod:`centralpipe.checkpoint`) and against this pipeline: a damaged
-        checkpoint or one of another pipeline raises ``CheckpointError`` naming
-        the key and leaves the loader exactly as it was (a live iterator keeps
-        going, an earlier loaded checkpoint stays pending). Like
-        ``state_dict()`` it waits at most ``CENTRAL_WAIT_S`` for a central
-        ``next()`` in progress (``TimeoutError``, the loader unchanged)."""
+        """``Loader.load_state_dict``: checked whole first (the typed model,
+        then this pipeline); on any error nothing has changed."""
         ckpt = checkpoint.structure(state_dict)
         checkpoint.check_pipeline(ckpt, self._expected())
         # Valid: from here on the loader changes. A stage whose restore still

@@ -174,11 +174,11 @@ def _handshake(conn: Connection, token: bytes, role: bytes, peer_role: bytes) ->
         )
 
 
-def accept(listener: socket.socket, token: bytes, expect_pid: int | None = None) -> Connection:
-    """The next connection on ``listener`` that authenticates (see the module
-    docstring); peers that do not are closed and reported as ``ServiceError``.
-    ``listener``'s own timeout bounds the wait for a connection."""
-    sock, _ = listener.accept()
+def _authenticated(
+    sock: socket.socket, token: bytes, role: bytes, peer_role: bytes, expect_pid: int | None
+) -> Connection:
+    """``sock`` as a ``Connection`` once its peer passed both checks; closed
+    (and the error raised) otherwise."""
     try:
         _check_peer(sock, expect_pid)
         sock.setblocking(True)
@@ -187,11 +187,19 @@ def accept(listener: socket.socket, token: bytes, expect_pid: int | None = None)
         sock.close()
         raise
     try:
-        _handshake(conn, token, b"service", b"client")
+        _handshake(conn, token, role, peer_role)
     except BaseException:
         conn.close()
         raise
     return conn
+
+
+def accept(listener: socket.socket, token: bytes, expect_pid: int | None = None) -> Connection:
+    """The next connection on ``listener`` that authenticates (see the module
+    docstring); peers that do not are closed and reported as ``ServiceError``.
+    ``listener``'s own timeout bounds the wait for a connection."""
+    sock, _ = listener.accept()
+    return _authenticated(sock, token, b"service", b"client", expect_pid)
 
 
 def connect(path: str, token: bytes, expect_pid: int | None = None) -> Connection:
@@ -200,15 +208,7 @@ def connect(path: str, token: bytes, expect_pid: int | None = None) -> Connectio
     try:
         sock.settimeout(HANDSHAKE_TIMEOUT_S)
         sock.connect(path)
-        _check_peer(sock, expect_pid)
-        sock.setblocking(True)
-        conn = Connection(sock.detach())
     except BaseException:
         sock.close()
         raise
-    try:
-        _handshake(conn, token, b"client", b"service")
-    except BaseException:
-        conn.close()
-        raise
-    return conn
+    return _authenticated(sock, token, b"client", b"service", expect_pid)

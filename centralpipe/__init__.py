@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         CheckpointError,
         ConfigError,
         PipelineError,
+        ServiceError,
         WorkerError,
     )
     from centralpipe.integrations.progress import progress
@@ -44,6 +45,7 @@ __all__ = [
     "LoaderConfig",
     "Pipeline",
     "PipelineError",
+    "ServiceError",
     "Total",
     "WorkerConfig",
     "WorkerError",
@@ -64,6 +66,7 @@ _HOMES = {
     "LoaderConfig": "centralpipe.config",
     "Pipeline": "centralpipe.plan.pipeline",
     "PipelineError": "centralpipe.errors",
+    "ServiceError": "centralpipe.errors",
     "Total": "centralpipe.stages.totals",
     "WorkerConfig": "centralpipe.config",
     "WorkerError": "centralpipe.errors",

@@ -30,6 +30,8 @@ DEFAULT_BUFFER_BYTES = 256 * 2**20
 START_METHODS = ("fork", "forkserver", "spawn")
 ON_ERROR = ("raise", "skip")
 EXECUTORS = ("process", "thread")
+#: Where a Loader's central part runs (``LoaderConfig.central``).
+CENTRAL_MODES = ("process", "service")
 #: Default shared memory per worker process for large result buffers.
 DEFAULT_SHARED_MEMORY_BYTES = 64 * 2**20
 MIN_SHARED_MEMORY_BYTES = 2**20
@@ -230,6 +232,12 @@ class LoaderConfig:
             accelerator (``torch.accelerator``, the device current when the
             Loader is created), in a background thread; with no accelerator,
             or on MPS, warn once and do nothing.
+        central: where the central stages, the dispatch and the worker pool
+            run: ``"process"`` (default) in the training process;
+            ``"service"`` in one helper process for this Loader, the training
+            process keeping a thin client that receives the outputs through
+            shared memory. Same API, same checkpoints (a state saved in one
+            mode resumes in the other).
     """
 
     workers: WorkerConfig = attrs.field(factory=WorkerConfig, validator=_instance(WorkerConfig))
@@ -240,6 +248,7 @@ class LoaderConfig:
         default=0, validator=checked(ConfigError, "an int in [0, 2**64)", int_in(0, SEED_END))
     )
     pin_memory: bool = attrs.field(default=False, validator=_instance(bool))
+    central: str = attrs.field(default="process", validator=_choice(CENTRAL_MODES))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict of builtins; ``from_dict`` reverses it."""

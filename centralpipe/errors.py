@@ -7,7 +7,9 @@
      │                          or, at the latest, when the Loader starts)
      ├── ConfigError (ValueError)  a configuration value is out of range
      ├── CheckpointError        a checkpoint is damaged, newer, or of another pipeline
-     └── WorkerError            a worker stage raised, a worker died or hung
+     ├── WorkerError            a worker stage raised, a worker died or hung
+     └── ServiceError (RuntimeError)  the helper process of ``central="service"``
+                                died, or refused or lost its client
 
 Exceptions raised by *central* stages (sources, ``map`` before ``dispatch()`` …)
 are not wrapped: they reach the consumer with their own type and a note naming
@@ -21,6 +23,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "PipelineError",
+    "ServiceError",
     "WorkerError",
 ]
 
@@ -39,6 +42,12 @@ class ConfigError(CentralpipeError, ValueError):
 
 class CheckpointError(CentralpipeError):
     """A checkpoint cannot be resumed: damaged, newer, or of another pipeline."""
+
+
+class ServiceError(CentralpipeError, RuntimeError):
+    """The central service of ``LoaderConfig(central="service")`` is gone (it
+    died, or was killed), or a connection to it failed to authenticate: the
+    message names the process and what to do."""
 
 
 class WorkerError(CentralpipeError):

@@ -2,45 +2,29 @@
 
 Each pass over the loader is one epoch (or the rest of the epoch a checkpoint
 was taken in); it starts at the iterator's first ``next()``, not at
-``iter()``. The central stages live here, in the caller's process; the worker
-processes are kept across epochs. With ``forkserver`` and ``spawn`` they start
-in the background when the Loader is created (``dispatch.starter``), so the
-first pass only sends them work; ``fork`` workers start at the first pass.
+``iter()``. Everything central (the central stages, the worker pool, the
+current run, the pending checkpoint) sits behind one object,
+:class:`~centralpipe.dispatch.central.Central`, the only part of
+``dispatch/`` the Loader knows. With the default ``central="process"`` it
+lives in the caller's process; with ``central="service"`` in one helper
+process, the Loader keeping a thin client of the same surface
+(:mod:`centralpipe.dispatch.service`). The worker processes are kept across
+epochs (with ``forkserver`` and ``spawn`` they
+start in the background when the Loader is created, so the first pass only
+sends them work; ``fork`` workers start at the first pass).
 """
 
 from __future__ import annotations
 
-import os
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
-from centralpipe import checkpoint, metrics, resume
 from centralpipe.config import LoaderConfig
-from centralpipe.dispatch.boundary import Policy, Run, StreamPlan, WarmStart, idle_worker_states
-from centralpipe.dispatch.executors.pool import Executor
-from centralpipe.dispatch.executors.preload import server_preload
-from centralpipe.dispatch.executors.procpool import ProcessPool, warm_up
-from centralpipe.dispatch.executors.starter import BACKGROUND_METHODS, BackgroundStart
-from centralpipe.dispatch.executors.threadpool import ThreadPool
-from centralpipe.dispatch.guard import hold
-from centralpipe.dispatch.pinning import make_pinner
-from centralpipe.dispatch.reorder import StreamStats
-from centralpipe.dispatch.worker.chain import WorkerChain
-from centralpipe.dispatch.worker.loop import WorkerSpec
+from centralpipe.dispatch.central import open_central
 from centralpipe.errors import PipelineError
 from centralpipe.launchers import warn_if_duplicating
-from centralpipe.lifetime import Resources
 from centralpipe.plan.pipeline import Pipeline
-from centralpipe.stages import (
-    Count,
-    Parallel,
-    RunContext,
-    all_nodes,
-    build_central,
-)
-from centralpipe.stages.totals import Total, chain_totals, exact_length
-from centralpipe.startup import check_picklable
+from centralpipe.stages.totals import Total
 
 __all__ = ["Loader"]
 
@@ -64,43 +48,10 @@ class Loader(Generic[T]):
             raise PipelineError(msg)
         self._pipe = pipeline
         self._config = config
-        dist = config.distributed
-        warn_if_duplicating(dist.world_size)
-        self._ctx = RunContext(
-            seed=config.seed, epoch=0, rank=dist.rank, world_size=dist.world_size
-        )
-        self._nodes = build_central(pipeline.central_stages, self._ctx)
-        # Stages inside a mix are queried by their qualified names (mix/source/stage).
-        self._by_name = {node.name: node for node in all_nodes(self._nodes)}
-        for node in self._nodes:
-            node.prepare()
-        # Dispatched items carry these stages' totals (delivered queries, checkpoints).
-        self._stamped = [node for node in self._nodes if node.stamped]
-        self._chain = WorkerChain(pipeline.worker_stages, config.seed)
-        self._segments = [n for n in self._nodes if isinstance(n, Parallel)]
-        self._segment_chains = [WorkerChain([n.spec], config.seed) for n in self._segments]
-        self._check_picklable()
-        self.epoch = 0
-        self._stats = StreamStats(config.workers.num_workers)
-        self._segment_stats = {
-            n.name: StreamStats(config.workers.num_workers) for n in self._segments
-        }
-        self._resume: dict[str, Any] | None = None
-        #: The pending checkpoint's central states are not loaded yet.
-        self._reload = False
-        self._run_ids = 0
+        warn_if_duplicating(config.distributed.world_size)
         self._iters = 0
-        self._res = Resources()
-        self._res.nodes = self._nodes
-        self._res.pinner = make_pinner(config.pin_memory)
-        self._finalizer = weakref.finalize(self, self._res.finalize)
         self._closed = False
-        self._start_early()
-
-    @property
-    def _boundary(self) -> str:
-        """The name keying the dispatch boundary's in-flight inputs."""
-        return self._pipe.dispatch_name or "dispatch"
+        self._central = open_central(pipeline, config)
 
     @property
     def config(self) -> LoaderConfig:
@@ -110,6 +61,11 @@ class Loader(Generic[T]):
     def pipeline(self) -> Pipeline:
         return self._pipe
 
+    @property
+    def epoch(self) -> int:
+        """Epochs started so far (after ``load_state_dict``, the checkpoint's)."""
+        return self._central.epoch
+
     # -- iteration -------------------------------------------------------------
 
     def __iter__(self) -> Iterator[T]:
@@ -117,66 +73,15 @@ class Loader(Generic[T]):
         # probes iter() (as Lightning does) starts no epoch and no worker. A
         # newer iter() supersedes any earlier iterator at once.
         self._check_open()
-        self._res.end_run()
+        self._central.stop()
         self._iters += 1
-        return self._iterate(self._iters, None)
+        return _Pass(self, self._iters, None)
 
     def _iter_started(self) -> Iterator[T]:
         """``iter()`` that starts the pass now: for wrappers that are lazy
         themselves and read the pass's starting state (``progress``)."""
         iter(self)
-        return self._iterate(self._iters, self._start_run())
-
-    def _iterate(self, ticket: int, run: Run | None) -> Iterator[T]:
-        return _Pass(self, ticket, run)
-
-    def _start_run(self) -> Run:
-        """Start the pending resume or the next epoch.
-
-        The run is built (no thread yet) under the chain lock, registered, and
-        only then started: an error or Ctrl-C at any point of the start leaves
-        no thread that ``close()`` cannot stop, and stops the run before the
-        central stages go back to where they were. The epoch counter and the
-        pending checkpoint are restored then, so ``state_dict()`` still
-        resumes the pass that was being started."""
-        res = self._res
-        res.end_run()
-        pending, epoch_before = self._resume, self.epoch
-        with hold(res.chain_lock, "starting a pass", self._nodes):
-            if pending is not None and self._reload:
-                self._nodes[-1].load_flat(dict(pending["central"]))
-                self._reload = False
-            if pending is not None and not pending["finished"]:
-                epoch = self.epoch
-                run = self._make_run(
-                    epoch=epoch,
-                    plans=resume.plans(pending, self._boundary),
-                    delivered=resume.delivered(pending),
-                )
-            else:
-                epoch = self.epoch + 1
-                self._ctx.epoch = epoch
-                try:
-                    self._nodes[-1].load_flat(None)
-                    run = self._make_run(epoch=epoch, plans={})
-                except BaseException:
-                    self._ctx.epoch = epoch_before
-                    raise
-        try:
-            res.run = run
-            self.epoch, self._resume = epoch, None
-            run.start()
-        except BaseException:
-            res.end_run()
-            self.epoch, self._resume, self._ctx.epoch = epoch_before, pending, epoch_before
-            if pending is not None:
-                # The central stages go back to the checkpoint's position.
-                with hold(res.chain_lock, "restoring after a failed start", self._nodes):
-                    self._nodes[-1].load_flat(dict(pending["central"]))
-            raise
-        if pending is None or pending["finished"]:
-            self._stats.epoch_restarts = 0
-        return run
+        return _Pass(self, self._iters, self._central.start())
 
     def _set_next_epoch(self, epoch: int) -> None:
         """Make the next pass start epoch ``epoch`` from its start, dropping a
@@ -184,142 +89,7 @@ class Loader(Generic[T]):
         pass drops it). For adapters of frameworks that count epochs themselves
         (``centralpipe.lightning``)."""
         self._check_open()
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1:
-            msg = f"`epoch` must be an int >= 1, got {epoch!r}."
-            raise ValueError(msg)
-        self._res.end_run()
-        self._resume = None
-        self.epoch = epoch - 1
-
-    def _make_run(self, *, epoch: int, plans: dict[str, StreamPlan], delivered: int = 0) -> Run:
-        w = self._config.workers
-        policy = Policy(
-            timeout_s=w.timeout_s,
-            max_restarts=w.max_restarts,
-            item_retries=w.item_retries,
-            on_error=w.on_error,
-            buffer_bytes=w.buffer_bytes,
-        )
-        pooled = self._pooled()
-        warm = self._warm_start() if pooled else None
-        executor = self._ensure_pool() if pooled and warm is None else None
-        if pooled:
-            self._run_ids += 1
-        return Run(
-            nodes=self._nodes,
-            chain=self._chain,
-            segment_chains=self._segment_chains,
-            epoch=epoch,
-            plans=plans,
-            buffer_size=w.buffer_size,
-            chunk_size=w.chunk_size,
-            policy=policy,
-            stats=self._stats,
-            segment_stats=self._segment_stats,
-            dispatch_name=self._boundary,
-            executor=executor,
-            run_id=self._run_ids,
-            delivered=delivered,
-            pinner=self._res.pinner,
-            chain_lock=self._res.chain_lock,
-            warm=warm,
-        )
-
-    def _warm_start(self) -> WarmStart | None:
-        """With ``start_inline`` (opt-in), run the first chunks inline
-        while the workers start in the background (``dispatch.warm``), or
-        ``None``: use the pool at once (waiting for it; the default, so that
-        user code runs only in the workers). Not with ``timeout_s`` (an item hung inline could
-        not be stopped) nor stateful worker stages (their state would be
-        split between this process and the workers)."""
-        w, starter = self._config.workers, self._res.starter
-        if starter is None or not w.start_inline or w.timeout_s is not None:
-            return None
-        if any(c.stateful for c in [self._chain, *self._segment_chains]):
-            return None
-        if starter.workers_ready():
-            return None
-        # Weak: the run must not keep the Loader alive (its finalizer ends
-        # the run, the pool and the start when the Loader is collected).
-        ready, acquire = (
-            weakref.WeakMethod(self._workers_ready),
-            weakref.WeakMethod(self._ensure_pool),
-        )
-        return WarmStart(lambda: _live(ready)(), lambda: _live(acquire)(), w.num_workers)
-
-    def _workers_ready(self) -> bool:
-        """The background start no longer needs waiting for (or was taken)."""
-        starter = self._res.starter
-        return starter is None or starter.workers_ready()
-
-    def _pooled(self) -> bool:
-        """Whether passes run worker stages on a pool of workers."""
-        w = self._config.workers
-        return w.num_workers > 0 and (bool(self._chain.specs) or bool(self._segments))
-
-    def _start_early(self) -> None:
-        """Start the forkserver (it imports what the workers need) and the
-        worker processes now, in the background (``dispatch.starter``), so
-        they are ready by the time the program iterates."""
-        w = self._config.workers
-        if w.executor != "process" or not self._pooled():
-            return
-        method = w.resolved_start_method()
-        if method == "forkserver":
-            warm_up(method, self._preload())
-        if method not in BACKGROUND_METHODS:
-            return
-        pool = None
-        try:
-            pool = self._new_pool()
-            self._res.starter = BackgroundStart(pool)
-        except Exception:
-            # E.g. no file descriptor left for a pipe: the first pass starts
-            # the workers itself and reports it there.
-            if pool is not None:
-                pool.close()
-
-    def _preload(self) -> list[str]:
-        return server_preload([*(n.spec for n in self._segments), *self._pipe.worker_stages])
-
-    def _new_pool(self) -> Executor:
-        w = self._config.workers
-        spec = WorkerSpec([*self._segment_chains, self._chain], os.getpid())
-        if w.executor == "thread":
-            return ThreadPool(w.num_workers, spec)
-        method = w.resolved_start_method()
-        if method != "forkserver":  # only a forkserver preloads anything
-            return ProcessPool(w.num_workers, spec, method, w.shared_memory_bytes)
-        return ProcessPool(w.num_workers, spec, method, w.shared_memory_bytes, self._preload())
-
-    def _ensure_pool(self) -> Executor:
-        res = self._res
-        if res.pool is not None and res.pool.closed:
-            # A failed start whose close was cut short (Ctrl-C): finish it.
-            res.pool.close()
-            res.pool = None
-        if res.pool is None:
-            starter = res.starter
-            if starter is not None:
-                try:
-                    pool = starter.result()
-                except BaseException:
-                    if starter.done():  # it failed, and closed what it started
-                        res.starter = None
-                    raise
-                res.pool, res.starter = pool, None
-            else:
-                pool = self._new_pool()
-                # Registered before it starts: close() (or the finalizer) ends a
-                # start cut short at any point, and its close if that is cut too.
-                res.pool = pool
-                try:
-                    pool.start()
-                except BaseException:
-                    pool.close()  # no half-started pool: the next iteration starts afresh
-                    res.pool = None
-                    raise
-        return res.pool
+        self._central.set_next_epoch(epoch)
 
     def total(self, stage: str | None = None) -> Total | None:
         """Items one whole epoch yields, known without iterating: a
@@ -330,19 +100,10 @@ class Loader(Generic[T]):
         stages). A stage name: the items that stage yields (e.g. the ``count``
         a progress bar shows, before ``shard()``: every rank's items). May count
         the lines of ``read_lines`` files (once per file, cached)."""
-        totals = self._totals()
-        if stage is None:
-            return totals[self._pipe.stages[-1].name]
-        if stage not in totals:
-            known = ", ".join(repr(n) for n in totals)
-            raise KeyError(f"no stage named {stage!r}; stages: {known}.")
-        return totals[stage]
-
-    def _totals(self) -> dict[str, Total | None]:
-        return chain_totals(self._nodes, self._pipe.stages, self._ctx)
+        return self._central.total(stage)
 
     def __len__(self) -> int:
-        return exact_length(self._totals(), [s.name for s in self._pipe.stages])
+        return self._central.length()
 
     # -- checkpoints -------------------------------------------------------------
 
@@ -354,30 +115,7 @@ class Loader(Generic[T]):
         progress (the feeder's), at most ``CENTRAL_WAIT_S`` (60 s), then raises
         ``TimeoutError`` naming the stage: never an inexact state."""
         self._check_open()
-        return self._state("state_dict()")
-
-    def _state(self, what: str) -> dict[str, Any]:
-        if self._resume is not None:
-            return resume.copy_state(self._resume)
-        run = self._res.run
-        if run is not None:
-            body = run.capture(what)
-            epoch = run.stream.epoch
-        else:
-            with hold(self._res.chain_lock, what, self._nodes):
-                body = resume.idle_body([n.name for n in self._segments], self._nodes)
-            epoch = self.epoch
-        dist = self._config.distributed
-        return resume.assemble(
-            body,
-            fingerprint=self._pipe.fingerprint(),
-            seed=self._config.seed,
-            epoch=epoch,
-            rank=dist.rank,
-            world_size=dist.world_size,
-            boundary=self._boundary,
-            stamped=self._stamped,
-        )
+        return self._central.state("state_dict()")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume at the checkpoint's position at the next ``iter()``.
@@ -390,124 +128,31 @@ class Loader(Generic[T]):
         ``state_dict()`` it waits at most ``CENTRAL_WAIT_S`` for a central
         ``next()`` in progress (``TimeoutError``, the loader unchanged)."""
         self._check_open()
-        ckpt = checkpoint.structure(state_dict)
-        checkpoint.check_pipeline(ckpt, self._expected())
-        # Valid: from here on the loader changes. A stage whose restore still
-        # fails (a re-iterable that got shorter, a user's node) rolls back.
-        before = self._state("load_state_dict()")
-        self._res.end_run()
-        # A `with`: no point between taking the chain lock and guarding its
-        # release where an interrupt (Ctrl-C) could land.
-        entered = False
-        try:
-            with hold(self._res.chain_lock, "load_state_dict()", self._nodes):
-                entered = True
-                try:
-                    self._restore(resume.copy_state(state_dict))
-                except BaseException:
-                    self._resume = None
-                    self._restore(before)
-                    raise
-        except TimeoutError:
-            if entered:
-                raise
-            # The stopped run's feeder is still inside a central next(): keep
-            # the position as it was; the stages are restored at the next start.
-            self._resume, self._reload = before, True
-            raise
-
-    def _restore(self, sd: dict[str, Any]) -> None:
-        self._ctx.epoch = sd["epoch"]
-        self._nodes[-1].load_flat(dict(sd["central"]))
-        self.epoch = sd["epoch"]
-        self._stats.epoch_restarts = 0
-        self._resume = sd
-
-    def _expected(self) -> checkpoint.Expected:
-        dist = self._config.distributed
-        return resume.expected(
-            self._pipe,
-            self._nodes,
-            self._ctx,
-            seed=self._config.seed,
-            rank=dist.rank,
-            world_size=dist.world_size,
-            boundary=self._boundary,
-        )
+        self._central.load(state_dict)
 
     # -- queries -----------------------------------------------------------------
 
     def query(self, name: str, *, delivered: bool = False) -> dict[str, Any]:
         """A copy of central stage ``name``'s live state; with ``delivered=True``
         (``count`` stages) its totals as of the last item the consumer received."""
-        node = self._by_name.get(name)
-        if node is None:
-            known = ", ".join(repr(n) for n in self._by_name)
-            workers = [s.name for s in self._pipe.worker_stages]
-            hint = (
-                f" ({name!r} is a worker stage; worker stages keep no state)"
-                if name in workers
-                else ""
-            )
-            raise KeyError(f"no central stage named {name!r}{hint}; central stages: {known}.")
-        run = self._res.run
-        if delivered:
-            if not isinstance(node, Count):
-                raise ValueError(
-                    f"delivered=True is for count stages; '{name}' is a {node.kind} stage."
-                )
-            if node not in self._nodes:
-                raise ValueError(
-                    f"delivered=True is for count stages of the main chain; '{name}' is inside "
-                    "a mix, whose stages run ahead of delivery (query it live)."
-                )
-            if run is not None:
-                stamp = run.delivered_stamp()
-                stamped = run.stamped_nodes()
-            elif self._resume is not None and self._resume.get("delivered_stamp") is not None:
-                stamp = self._resume["delivered_stamp"]
-                stamped = self._stamped
-            else:
-                return node.query_state()
-            if stamp is None:
-                return node.query_state()
-            items, weight = stamp[stamped.index(node)]
-            return {"items": items, "weight": weight}
-        what = f"query({name!r})"
-        if run is not None:
-            with run.reading(what):
-                return node.query_state()
-        with hold(self._res.chain_lock, what, self._nodes):
-            return node.query_state()
+        return self._central.query(name, delivered=delivered)
 
     def metrics(self) -> dict[str, Any]:
         """Per central stage items in/out and own time; ``"dispatch"``: buffer,
         skipped items, worker restarts, items per worker and waiting times.
         Never waits (see :mod:`centralpipe.metrics`)."""
-        return metrics.collect(
-            self._nodes,
-            self._stats,
-            self._segment_stats,
-            self._config.workers,
-            self._res.run,
-            self._res.pool,
-        )
+        return self._central.metrics()
 
     def worker_states(self) -> list[dict[str, Any]]:
         """``state_dict()`` of each worker's stateful worker-stage callables, one
         dict per worker (inline: one). Never needed for exact resume."""
         self._check_open()
-        if self._config.workers.num_workers == 0:
-            return [self._chain.states()]
-        run = self._res.run
-        if run is not None and not run.stopping and run.session is not None:
-            return run.session.worker_states()
-        return idle_worker_states(self._ensure_pool(), self._stats)
+        return self._central.worker_states()
 
     def worker_pids(self) -> list[int]:
         """Process ids of the live workers (empty before the first iteration
         and with ``num_workers=0``), e.g. for monitoring."""
-        return self._res.worker_pids()
+        return self._central.worker_pids()
 
     # -- lifetime ------------------------------------------------------------------
 
@@ -516,9 +161,7 @@ class Loader(Generic[T]):
         ``close()`` cut short by Ctrl-C is finished by the next one (or, at
         the latest, by the finalizer)."""
         self._closed = True
-        if self._finalizer.alive:
-            self._res.close()
-            self._finalizer.detach()
+        self._central.close()
 
     def __enter__(self) -> Loader[T]:
         return self
@@ -530,34 +173,18 @@ class Loader(Generic[T]):
         if self._closed:
             raise RuntimeError("this Loader is closed.")
 
-    def _check_picklable(self) -> None:
-        w = self._config.workers
-        if w.num_workers == 0 or w.executor == "thread":
-            return
-        specs = [*(n.spec for n in self._segments), *self._pipe.worker_stages]
-        check_picklable(specs, w.resolved_start_method())
-
-
-def _live(method: weakref.WeakMethod[Callable[[], T]]) -> Callable[[], T]:
-    """The bound method, while its Loader lives."""
-    bound = method()
-    if bound is None:
-        raise RuntimeError("the Loader was garbage collected")
-    return bound
-
 
 class _Pass(Iterator[T]):
-    """One pass's iterator. It holds the Loader, not only the run: ``for x
-    in Loader(...)`` must keep the Loader (and so its workers) alive while
-    it iterates. Not a generator, so a Ctrl-C inside ``next()`` ends
+    """One pass's iterator. It holds the Loader, not only the pass's outputs:
+    ``for x in Loader(...)`` must keep the Loader (and so its workers) alive
+    while it iterates. Not a generator, so a Ctrl-C inside ``next()`` ends
     nothing: an interrupted start is started again by the next ``next()``,
     an interrupted delivery goes on where it was."""
 
-    def __init__(self, loader: Loader[T], ticket: int, run: Run | None) -> None:
+    def __init__(self, loader: Loader[T], ticket: int, outputs: Iterator[Any] | None) -> None:
         self._loader = loader
         self._ticket = ticket
-        self._run = run
-        self._outputs: Iterator[Any] | None = None
+        self._outputs = outputs
 
     def __iter__(self) -> _Pass[T]:
         return self
@@ -565,18 +192,16 @@ class _Pass(Iterator[T]):
     def __next__(self) -> T:
         outputs = self._outputs
         if outputs is None:
-            if self._run is None:
-                loader = self._loader
-                if self._ticket != loader._iters:
-                    raise RuntimeError(
-                        "this iterator was superseded before it started: iter(loader) was "
-                        "called again; iterate the newest iterator."
-                    )
-                loader._check_open()
-                # Kept as soon as it is started (no call in between): a Ctrl-C
-                # after this point must not start the pass a second time.
-                self._run = loader._start_run()
-            outputs = self._outputs = self._run.outputs()
+            loader = self._loader
+            if self._ticket != loader._iters:
+                raise RuntimeError(
+                    "this iterator was superseded before it started: iter(loader) was "
+                    "called again; iterate the newest iterator."
+                )
+            loader._check_open()
+            # Kept as soon as it is started (no call in between): a Ctrl-C
+            # after this point must not start the pass a second time.
+            outputs = self._outputs = loader._central.start()
         # A method call, not ``next(outputs)``: a Ctrl-C handled as that
         # builtin returns would drop the output it got (see Stream.next_output).
         return outputs.__next__()

@@ -39,7 +39,7 @@ def _loader(method: str, n: int = 12, workers: int = 2) -> cp.Loader[int]:
 
 def _started_pids(loader: cp.Loader[Any]) -> list[int]:
     """Wait for the loader's background start to finish; the pids it started."""
-    starter = loader._res.starter
+    starter = loader._central._res.starter
     assert starter is not None, "a background start is under way"
     deadline = time.monotonic() + START_WAIT_S
     while not starter.done():
@@ -72,7 +72,7 @@ def test_workers_start_when_the_loader_is_created(method: str) -> None:
     with _loader(method) as loader:
         pids = _started_pids(loader)
         assert len(pids) == 2 and all(_running(p) for p in pids)
-        pool = loader._res.starter.pool  # type: ignore[union-attr]
+        pool = loader._central._res.starter.pool  # type: ignore[union-attr]
         deadline = time.monotonic() + START_WAIT_S
         while not all(slot.ready() for slot in pool.slots):
             assert time.monotonic() < deadline, "the workers never became ready"
@@ -89,7 +89,7 @@ def test_loader_never_iterated_leaves_nothing(method: str) -> None:
     pids = _started_pids(loader)
     loader.close()
     assert _gone(pids)
-    assert loader._res.starter is None
+    assert loader._central._res.starter is None
 
 
 def test_garbage_collected_loader_ends_its_background_start() -> None:
@@ -127,7 +127,7 @@ def test_close_during_the_background_start(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(ProcessPool, "_start", slow_start)
     loader = _loader("forkserver")
     assert entered.wait(START_WAIT_S)
-    pool = loader._res.starter.pool  # type: ignore[union-attr]
+    pool = loader._central._res.starter.pool  # type: ignore[union-attr]
     loader.close()
     assert started == [0], "the start stopped after the worker in progress"
     assert pool.shut and all(slot.process is None for slot in pool.slots)
@@ -151,12 +151,12 @@ def test_failed_background_start_is_raised_by_the_first_pass(
 
     monkeypatch.setattr(ProcessPool, "_start", failing_start)
     with _loader("forkserver") as loader:
-        pool = loader._res.starter.pool  # type: ignore[union-attr]
+        pool = loader._central._res.starter.pool  # type: ignore[union-attr]
         with pytest.raises(OSError, match="Too many open files") as info:
             next(iter(loader))
         assert any("in the background" in note for note in info.value.__notes__)
         assert pool.shut and loader.worker_pids() == []
-        assert loader.epoch == 0 and loader._res.starter is None
+        assert loader.epoch == 0 and loader._central._res.starter is None
         monkeypatch.undo()
         assert list(loader) == [2 * i for i in range(12)], "the retry starts afresh"
         assert loader.epoch == 1
@@ -166,7 +166,7 @@ def test_fork_workers_start_at_the_first_pass() -> None:
     """fork workers are not started in the background (forking from a thread
     while the caller runs is unsafe): nothing starts before the first pass."""
     with _loader("fork") as loader:
-        assert loader._res.starter is None and loader._res.pool is None
+        assert loader._central._res.starter is None and loader._central._res.pool is None
         assert list(loader) == [2 * i for i in range(12)]
 
 

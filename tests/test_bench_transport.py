@@ -56,7 +56,7 @@ def test_capped_socket_buffers_reach_the_worker_pipes() -> None:
     limit (the kernel doubles what is asked), and the default after it."""
 
     def sndbuf(loader: cp.Loader[object]) -> int:
-        pool = loader._res.pool
+        pool = loader._central._res.pool
         assert pool is not None
         conn = pool.slots[0].conn  # type: ignore[attr-defined]
         sock = socket.socket(fileno=conn.fileno())

@@ -116,7 +116,7 @@ def test_the_reader_count_changes_only_under_its_lock(monkeypatch: pytest.Monkey
     with cp.Loader(pipe, loader_config(num_workers=2)) as loader:
         it = iter(loader)
         next(it)
-        stream = loader._res.run.stream  # type: ignore[union-attr]
+        stream = loader._central._res.run.stream  # type: ignore[union-attr]
         stream._readers_lock = OwnedLock()  # type: ignore[assignment]
         writes.clear()
         threads = [threading.Thread(target=lambda: loader.query("c")) for _ in range(8)]

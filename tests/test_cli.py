@@ -313,3 +313,29 @@ def test_seed_report_shows_a_skipped_tokenizer() -> None:
     lines = bench_seed.report_lines([res])
     assert "| BPE (tokenizers) | skipped: `tokenizers` is not importable | | | | | |" in lines
     assert bench_seed.targets([res]) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(BENCH_TIMEOUT_S + 30)
+def test_quick_modes_bench_prints_its_table() -> None:
+    """`bench --scale 100 --only modes` prints a row per contender and run, and the target."""
+    from centralpipe.tools import bench_modes
+
+    proc = _cli(
+        "bench", "--scale", "100", "--only", "modes", "--workers", "2", timeout=BENCH_TIMEOUT_S
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    out = proc.stdout
+    assert "## modes: a training loop" in out and "10 steps after one warm-up" in out
+    rows = [
+        line
+        for line in out.splitlines()
+        if line.startswith(("| precomputed", "| DataLoader", "| centralpipe"))
+    ]
+    names = [name for name, _ in bench_modes.CONTENDERS]
+    assert [r.split(" | ")[0].lstrip("| ") for r in rows] == names  # one run each
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 5 and cells[2].endswith("%") and cells[4].endswith("x"), row
+    assert 'modes: central="service" loses within 1 point of the DataLoader' in out

@@ -259,7 +259,7 @@ def test_ctrl_c_while_a_chunk_is_retired(
         rest = list(it)
         monkeypatch.undo()
         assert got + rest == expected
-        run = loader._res.run
+        run = loader._central._res.run
         assert run is not None and run.stream.in_flight == 0
         if run.session is not None:
             assert run.session.held.held == 0
@@ -383,7 +383,7 @@ def test_ctrl_c_as_worker_states_starts(monkeypatch: pytest.MonkeyPatch) -> None
         with pytest.raises(KeyboardInterrupt):
             loader.worker_states()
         monkeypatch.undo()
-        run = loader._res.run
+        run = loader._central._res.run
         assert fired and run is not None and run.session is not None
         assert run.session.asking is False
         assert got + list(it) == expected

@@ -38,7 +38,7 @@ class FinalizeOnce:
             return
         self.fired = True
         self.thread = threading.current_thread().name
-        self.loader._finalizer()  # what garbage collection would call here
+        self.loader._central._finalizer()  # what garbage collection would call here
         self.returned.set()
 
 

@@ -180,6 +180,17 @@ def test_the_library_never_imports_the_tools() -> None:
     assert found == []
 
 
+def test_the_loader_reaches_dispatch_only_through_its_central_object() -> None:
+    """``loader.py`` imports one module of ``dispatch/``, the narrow central
+    object (start, next, state, load, query, metrics, stop, close), at any level."""
+    found = sorted(
+        full
+        for full in _imports("centralpipe.loader", module_level=False)
+        if full.startswith("centralpipe.dispatch")
+    )
+    assert found == ["centralpipe.dispatch.central"]
+
+
 #: One entry of ``dispatch/__init__.py``'s index: ``- ``name`` [worker] text``.
 ENTRY = re.compile(r"^- ``([a-z_.]+)``\s+(\[worker\])?", re.M)
 

@@ -159,7 +159,7 @@ def test_failed_start_in_a_central_stage_keeps_the_epoch(monkeypatch: pytest.Mon
     expected = _epochs(2)
     with cp.Loader(_pipe()) as loader:
         collect(loader)
-        tip = loader._nodes[-1]
+        tip = loader._central._nodes[-1]
         real = type(tip).load_flat
 
         def load_flat(self: Any, flat: Any) -> None:

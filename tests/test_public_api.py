@@ -17,6 +17,7 @@ PUBLIC_NAMES = [
     "LoaderConfig",
     "Pipeline",
     "PipelineError",
+    "ServiceError",
     "Total",
     "WorkerConfig",
     "WorkerError",

@@ -159,7 +159,7 @@ def test_needs_torch_of_parallel_central_stages(tmp_path: Path) -> None:
     """A parallel central stage's function counts like a worker stage's."""
     pipe = cp.Pipeline.from_iterable(range(4)).map(startup_torch_fns.scale, parallel=True)
     with cp.Loader(pipe, cp.LoaderConfig()) as loader:
-        assert loader._preload() == [WORKER_MODULE, TORCH]
+        assert loader._central._preload() == [WORKER_MODULE, TORCH]
 
 
 def test_progress_stays_the_function_after_its_module_is_imported() -> None:

@@ -109,7 +109,7 @@ def _config(
 def _open_and_wait(gate: threading.Event, loader: cp.Loader[Any]) -> None:
     """Let the pool start; wait until every worker is ready."""
     gate.set()
-    starter = loader._res.starter
+    starter = loader._central._res.starter
     deadline = time.monotonic() + READY_WAIT_S
     while starter is not None and not starter.workers_ready():
         assert time.monotonic() < deadline, "the workers never became ready"
@@ -456,9 +456,9 @@ def test_close_while_running_inline_ends_everything(gate: threading.Event) -> No
     loader = cp.Loader(_pipe(), _config(2))
     it = iter(loader)
     assert [next(it) for _ in range(5)] == [0, 3, 6, 9, 12]
-    pool = loader._res.starter.pool  # type: ignore[union-attr]
+    pool = loader._central._res.starter.pool  # type: ignore[union-attr]
     loader.close()
-    assert pool.shut and loader._res.starter is None
+    assert pool.shut and loader._central._res.starter is None
     with pytest.raises(RuntimeError, match="superseded"):
         for _ in range(N):
             next(it)
@@ -472,7 +472,7 @@ def test_garbage_collected_while_running_inline_leaves_nothing(gate: threading.E
     loader = cp.Loader(_pipe(), _config(2))
     it = iter(loader)
     assert [next(it) for _ in range(5)] == [0, 3, 6, 9, 12]
-    pool = loader._res.starter.pool  # type: ignore[union-attr]
+    pool = loader._central._res.starter.pool  # type: ignore[union-attr]
     alive = weakref.ref(loader)
     del it, loader
     gc.collect()
@@ -501,7 +501,7 @@ def test_failed_start_while_inline_is_raised_and_the_pass_goes_on(
     with cp.Loader(_pipe(), _config(2)) as loader:
         it = iter(loader)
         got = [next(it) for _ in range(20)]
-        pool = loader._res.starter.pool  # type: ignore[union-attr]
+        pool = loader._central._res.starter.pool  # type: ignore[union-attr]
         _open_and_wait(gate, loader)
         with pytest.raises(OSError, match="Too many open files") as info:
             while True:

@@ -12,7 +12,18 @@ process only.
 
 Main process, one pass of the Loader:
 
-- ``boundary``  assembling a run of every stream (``Run``, the Loader's entry).
+- ``central``   the Loader's one entry: the surface of its central part
+  (start / next / state / load / query / metrics / stop / close), so that
+  part can run in this process or elsewhere without the Loader knowing.
+- ``local``     that part in this process: the central stages, the worker
+  pool, the runs and the pending checkpoint.
+- ``service``   ``central="service"``: that part in one helper process (the
+  service's side: its request loop, its watchdog).
+- ``client``    the thin client of a service that the Loader keeps (outputs
+  through a shared-memory ring).
+- ``rendezvous`` finding and trusting a service: the private socket
+  directory of the job, peer credentials, the token handshake.
+- ``boundary``  assembling a run of every stream (``Run``).
 - ``warm``      the inline warm start: the first chunks run in the main process
   while the workers start.
 - ``pull``      pulling a chunk from the central chain into a stream.

@@ -4,8 +4,8 @@ A :class:`Run` is one pass (an epoch, or the rest of one): one
 :class:`~centralpipe.dispatch.reorder.Stream` per parallel central stage
 (stream ids ``0..k-1``, in chain order) and one for the dispatch boundary
 (stream id ``k``), all over one executor through one
-:class:`~centralpipe.dispatch.supervisor.Session`. It is the Loader's only
-entry into this package: outputs, the checkpoint of every stream under one
+:class:`~centralpipe.dispatch.supervisor.Session`. It is what
+:mod:`~centralpipe.dispatch.central` drives: outputs, the checkpoint of every stream under one
 lock, the delivered view of ``count`` stages, worker states, and stop.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from centralpipe.dispatch.executors.pool import Executor
@@ -195,8 +195,12 @@ class Run:
     def stopping(self) -> bool:
         return self.stream.stopping
 
-    def outputs(self) -> Iterator[Any]:
-        return self.stream.outputs()
+    def __iter__(self) -> Run:
+        return self
+
+    def __next__(self) -> Any:
+        """The next output in order (:meth:`Stream.next_output`)."""
+        return self.stream.next_output()
 
     def reading(self, what: str) -> contextlib.AbstractContextManager[None]:
         """The chain lock, to read central stages (``guard.Holding``)."""

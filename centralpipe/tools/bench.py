@@ -16,8 +16,9 @@ prints a markdown report:
   (:mod:`centralpipe.tools.bench_transport`);
 - **state_dict()** latency (:mod:`centralpipe.tools.bench_state`), the central
   stages' cost (:mod:`centralpipe.tools.bench_stages`), first-item latency
-  (:mod:`centralpipe.tools.bench_transport`) and the ``seed`` workload
-  (:mod:`centralpipe.tools.bench_seed`).
+  (:mod:`centralpipe.tools.bench_transport`), the ``seed`` workload
+  (:mod:`centralpipe.tools.bench_seed`) and a training loop fed by each
+  central mode (:mod:`centralpipe.tools.bench_modes`).
 
 The report is rendered by :mod:`centralpipe.tools.bench_report`. Sizes suit a
 2-core machine; ``--quick`` divides them by ten, ``--scale N`` by N (the
@@ -39,6 +40,7 @@ import centralpipe as cp
 from centralpipe.config import START_METHODS
 from centralpipe.tools import (
     bench_limit,
+    bench_modes,
     bench_seed,
     bench_sources,
     bench_stages,
@@ -67,7 +69,7 @@ WORKLOADS = ("tiny", "cpu", "tensor", "numpy", "tensor4m", "mixed")
 TRANSPORT_WORKLOADS = ("tensor", "numpy", "tensor4m", "mixed")
 #: What ``--quick`` divides every size by.
 QUICK_SCALE = 10
-SECTIONS = (*WORKLOADS, "state", "stages", "sources", "startup", "seed")
+SECTIONS = (*WORKLOADS, "state", "stages", "sources", "startup", "seed", "modes")
 #: Workers of the cold ``cpu`` epoch.
 COLD_WORKERS = 2
 #: Workloads also run through the minimal slot-pool loader (bench_limit): item bytes.
@@ -221,6 +223,8 @@ def run(
         res.startup = bench_transport.measure_startup(START_METHODS)
     if "seed" in only:
         res.seed = bench_seed.measure(scale, _log)
+    if "modes" in only:
+        res.modes = bench_modes.measure(scale, _log)
     res.elapsed_s = time.perf_counter() - started
     res.others = meter.others(run_start)
     return res

@@ -19,6 +19,7 @@ import torchdata
 
 import centralpipe as cp
 from centralpipe.tools import (
+    bench_modes,
     bench_seed,
     bench_sources,
     bench_stages,
@@ -55,6 +56,7 @@ class Results:
     sources: dict[str, Any] = field(default_factory=dict)
     startup: bench_transport.Startup = field(default_factory=dict)
     seed: list[bench_seed.TokenizerResult] = field(default_factory=list)
+    modes: bench_modes.ModesResult | None = None
     elapsed_s: float = 0.0
     repeat: int = 1
     retries: int = 1
@@ -188,6 +190,7 @@ def report(res: Results, *, argv: Sequence[str] = ()) -> str:
     lines += bench_sources.report_lines(res.sources)
     lines += bench_transport.report_lines(res.startup)
     lines += bench_seed.report_lines(res.seed)
+    lines += bench_modes.report_lines(res.modes)
     targets = _targets(res)
     if targets:
         lines += ["", "## Targets", "", "| target | measured | met |", "|---|---|---|"]
@@ -260,4 +263,5 @@ def _targets(res: Results) -> list[tuple[str, str, bool]]:
     out += bench_sources.targets(res.sources)
     out += bench_transport.targets(res.startup)
     out += bench_seed.targets(res.seed)
+    out += bench_modes.targets(res.modes)
     return out

@@ -1,0 +1,358 @@
+"""``central="service"``: the thin client the Loader keeps in the training process.
+
+:class:`ServiceClient` has the surface of
+:class:`~centralpipe.dispatch.local.LocalCentral`; it starts the service
+(:func:`centralpipe.dispatch.service.serve`, whose module docstring tells the
+whole design), connects twice (requests; reads that never wait), hands it a
+shared-memory ring for the outputs, and turns every call into one request
+and one reply. Every wait is on the connection and the service's process
+sentinel: a killed service is a ``ServiceError`` at once. A Ctrl-C that cuts
+a call short leaves its reply owed: the next call reads it first, and keeps
+the output of a ``next`` (or the pass of a ``start``) for the same call.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import itertools
+import multiprocessing
+import os
+import threading
+import weakref
+from collections.abc import Iterator
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import attrs
+
+from centralpipe.config import LoaderConfig
+from centralpipe.dispatch import rendezvous
+from centralpipe.dispatch.pinning import Pinner, make_pinner
+from centralpipe.dispatch.service import serve
+from centralpipe.dispatch.wire import shm, transport
+from centralpipe.errors import PipelineError, ServiceError
+from centralpipe.plan.pipeline import Pipeline
+from centralpipe.stages.totals import Total
+
+__all__ = ["CLOSE_TIMEOUT_S", "POLL_S", "START_TIMEOUT_S", "ServiceClient"]
+
+#: Longest wait for the service to start and build the pipeline's stages.
+START_TIMEOUT_S = 120.0
+#: Longest wait for the service to exit once asked to, before it is killed.
+CLOSE_TIMEOUT_S = 10.0
+#: How often the client's waits re-check that the service lives.
+POLL_S = 0.5
+
+_IDS = itertools.count()
+#: Requests whose reply a cut-short call keeps for the same request next
+#: (``ServiceClient._drain``): an output, a started pass.
+_KEPT = ("next", "start")
+#: Requests after which such a kept reply is void.
+_ENDS_A_PASS = ("start", "stop", "load", "set_next_epoch")
+
+
+@attrs.define
+class _Link:
+    """What the client's finalizer releases (apart from the client)."""
+
+    proc: Any
+    path: str
+    conn: Connection | None = None
+    control: Connection | None = None
+    ring: shm.Ring | None = None
+    pinner: Pinner | None = None
+    exit_hook: Any = None
+
+
+def _shutdown(link: _Link) -> None:
+    """Ask the service to end, wait (bounded), then terminate and kill; close
+    the connection, the ring and the pin thread. Takes no lock; idempotent."""
+    proc, conn = link.proc, link.conn
+    if proc.pid is not None:  # started
+        if conn is not None:
+            with contextlib.suppress(OSError, ValueError):
+                conn.send(("close", ()))
+            wait([proc.sentinel], CLOSE_TIMEOUT_S)
+        proc.join(0.1)
+        if proc.exitcode is None:
+            proc.terminate()
+            proc.join(CLOSE_TIMEOUT_S)
+        if proc.exitcode is None:  # pragma: no cover - SIGTERM ignored
+            proc.kill()
+            proc.join()
+    if conn is not None:
+        conn.close()
+        link.conn = None
+    if link.control is not None:
+        link.control.close()
+        link.control = None
+    if link.ring is not None:
+        link.ring.close()
+        link.ring = None
+    if link.pinner is not None:
+        link.pinner.close()
+        link.pinner = None
+    rendezvous.remove_socket(link.path)
+    if link.exit_hook is not None:
+        atexit.unregister(link.exit_hook)
+        link.exit_hook = None
+
+
+class ServiceClient:
+    """The Loader's central part in a helper process; see the module docstring."""
+
+    def __init__(self, pipeline: Pipeline, config: LoaderConfig) -> None:
+        method = config.workers.resolved_start_method()
+        ctx: Any = multiprocessing.get_context(method)
+        directory = rendezvous.private_dir(rendezvous.job_key())
+        path = str(directory / f"loader-{os.getpid()}-{next(_IDS)}.sock")
+        token = rendezvous.new_token()
+        inner = attrs.evolve(config, central="process", pin_memory=False)
+        with_ring = shm.available()
+        ready_r, ready_w = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=serve,
+            args=(pipeline, inner, path, token, os.getpid(), ready_w, with_ring),
+            name="centralpipe-service",
+        )
+        link = self._link = _Link(proc=proc, path=path)
+        self._epoch = 0
+        self._dead: str | None = None
+        #: Requests sent whose replies are not read yet, oldest first (more
+        #: than the current one only after an interrupt cut a call short).
+        self._owed: collections.deque[tuple[str, tuple[Any, ...]]] = collections.deque()
+        #: The reply of a cut-short ``next`` or ``start``, for the same request next.
+        self._held: tuple[tuple[str, tuple[Any, ...]], tuple[str, Any]] | None = None
+        self._lock = threading.Lock()
+        self._reads_lock = threading.Lock()
+        try:
+            try:
+                proc.start()
+            except Exception as exc:
+                msg = (
+                    f"central='service' with start method {method!r} pickles the pipeline "
+                    f"to send it to the service, and that failed: {exc}. Define its "
+                    "functions at module level, or use WorkerConfig(start_method='fork')."
+                )
+                raise PipelineError(msg) from exc
+            finally:
+                ready_w.close()
+            self._finalizer = weakref.finalize(self, _shutdown, link)
+            link.exit_hook = self._finalizer
+            # Before multiprocessing's own exit hook (which joins this process).
+            atexit.register(self._finalizer)
+            try:
+                if not wait([ready_r, proc.sentinel], START_TIMEOUT_S):
+                    msg = (
+                        f"the central service (pid {proc.pid}) did not start within "
+                        f"START_TIMEOUT_S={START_TIMEOUT_S} s; it was stopped. Is the machine "
+                        "out of memory or processes?"
+                    )
+                    raise ServiceError(msg)
+                if not ready_r.poll():
+                    self._died("while starting")
+            finally:
+                ready_r.close()
+            link.conn = rendezvous.connect(path, token, expect_pid=proc.pid)
+            link.control = rendezvous.connect(path, token, expect_pid=proc.pid)
+            if with_ring:
+                link.ring = shm.Ring(config.workers.shared_memory_bytes)
+                if not link.ring.hand_over(link.conn):
+                    self._died("while starting")
+            kind, value = self._receive()
+            if kind == "err":
+                raise value
+            self._epoch = value
+            link.pinner = make_pinner(config.pin_memory)
+        except BaseException:
+            _shutdown(link)
+            raise
+
+    @property
+    def service_pid(self) -> int:
+        """The service's process id (e.g. for monitoring)."""
+        pid: int = self._link.proc.pid
+        return pid
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    # -- requests -------------------------------------------------------------------
+
+    def _died(self, when: str) -> None:
+        proc = self._link.proc
+        proc.join(0.5)
+        code = proc.exitcode
+        self._dead = (
+            f"the central service of this Loader (pid {proc.pid}) died {when} "
+            f"(exit code {code}; negative: killed by that signal). The pass and the "
+            "position are lost with it: close this Loader, create a new one and "
+            "load_state_dict() the last checkpoint."
+        )
+        raise ServiceError(self._dead)
+
+    def _receive(
+        self, conn: Connection | None = None, ring: shm.Ring | None = None
+    ) -> tuple[str, Any]:
+        """The next reply, waiting on the connection and the service's sentinel."""
+        if conn is None:
+            conn, ring = self._link.conn, self._link.ring
+        assert conn is not None
+        sentinel = self._link.proc.sentinel
+        while True:
+            ready = wait([conn, sentinel], POLL_S)  # where an interrupt lands, harmlessly
+            if conn in ready:
+                break
+            if ready:
+                self._died("during a request")
+        try:
+            reply: tuple[str, Any] = transport.recv(conn, ring)
+        except (EOFError, OSError):
+            self._died("during a request")
+        except BaseException:
+            # Cut short inside one message (Ctrl-C): the connection is out of
+            # step and cannot be read again.
+            self._dead = (
+                "an interrupt cut a reply of the central service in half; this Loader "
+                "cannot go on: close it, create a new one and load_state_dict() the "
+                "last checkpoint."
+            )
+            raise
+        return reply
+
+    def _drain(self) -> None:
+        """Read the replies owed to calls that an interrupt cut short; an
+        owed ``next`` keeps its output for the pass's next ``next()``, an owed
+        ``start`` its pass for the next ``start()`` (the service started it:
+        starting again would skip an epoch)."""
+        while self._owed:
+            op, args = self._owed[0]
+            reply = self._receive()
+            self._owed.popleft()  # no call between the reply and its record
+            if op in _KEPT and reply[0] != "err":
+                self._held = ((op, args), reply)
+
+    def _call(self, op: str, *args: Any) -> tuple[str, Any]:
+        """One request and its reply ``(kind, value)``; an error reply is raised.
+        Calls from several threads take turns (one connection)."""
+        with self._lock:
+            return self._call_locked(op, args)
+
+    def _call_locked(self, op: str, args: tuple[Any, ...]) -> tuple[str, Any]:
+        if self._dead is not None:
+            raise ServiceError(self._dead)
+        conn = self._link.conn
+        if conn is None:
+            raise RuntimeError("this Loader is closed.")
+        self._drain()
+        held = self._held
+        if held is not None and held[0] == (op, args):
+            self._held = None
+            return held[1]  # what a cut-short call of the same request was getting
+        if op in _ENDS_A_PASS:
+            self._held = None
+        self._owed.append((op, args))
+        try:
+            conn.send((op, args))
+        except OSError:
+            self._owed.pop()
+            self._died("before a request")
+        kind, value = self._receive()
+        self._owed.popleft()
+        if kind == "err":
+            raise value
+        return kind, value
+
+    # -- the surface ----------------------------------------------------------------
+
+    def start(self) -> Iterator[Any]:
+        _, (pass_id, epoch) = self._call("start")
+        self._epoch = epoch
+        return _RemotePass(self, pass_id)
+
+    def next_output(self, pass_id: int) -> Any:
+        kind, value = self._call("next", pass_id)
+        if kind == "end":
+            raise StopIteration
+        pinner = self._link.pinner
+        if pinner is not None:
+            value = pinner.submit([value]).result()[0]
+        return value
+
+    def stop(self) -> None:
+        self._call("stop")
+
+    def set_next_epoch(self, epoch: int) -> None:
+        self._epoch = self._call("set_next_epoch", epoch)[1]
+
+    def state(self, what: str = "state_dict()") -> dict[str, Any]:
+        value: dict[str, Any] = self._call("state", what)[1]
+        return value
+
+    def load(self, state_dict: dict[str, Any]) -> None:
+        self._epoch = self._call("load", state_dict)[1]
+
+    def query(self, name: str, *, delivered: bool = False) -> dict[str, Any]:
+        value: dict[str, Any] = self._call("query", name, delivered)[1]
+        return value
+
+    def _read(self, op: str) -> Any:
+        """A read that never waits, on the second connection (not queued
+        behind a request in progress on the first)."""
+        with self._reads_lock:
+            if self._dead is not None:
+                raise ServiceError(self._dead)
+            conn = self._link.control
+            if conn is None:
+                if op == "worker_pids":  # as in process mode: no live worker
+                    return []
+                raise RuntimeError("this Loader is closed.")
+            try:
+                conn.send((op, ()))
+            except OSError:
+                self._died("before a request")
+            kind, value = self._receive(conn, None)
+        if kind == "err":
+            raise value
+        return value
+
+    def metrics(self) -> dict[str, Any]:
+        value: dict[str, Any] = self._read("metrics")
+        return value
+
+    def total(self, stage: str | None = None) -> Total | None:
+        value: Total | None = self._call("total", stage)[1]
+        return value
+
+    def length(self) -> int:
+        value: int = self._call("length")[1]
+        return value
+
+    def worker_states(self) -> list[dict[str, Any]]:
+        value: list[dict[str, Any]] = self._call("worker_states")[1]
+        return value
+
+    def worker_pids(self) -> list[int]:
+        value: list[int] = self._read("worker_pids")
+        return value
+
+    def close(self) -> None:
+        """End the service (bounded) and release the ring; idempotent."""
+        self._finalizer()
+
+
+class _RemotePass(Iterator[Any]):
+    """One pass's outputs, pulled from the service one reply at a time."""
+
+    def __init__(self, client: ServiceClient, pass_id: int) -> None:
+        self._client = client
+        self._pass_id = pass_id
+
+    def __iter__(self) -> _RemotePass:
+        return self
+
+    def __next__(self) -> Any:
+        return self._client.next_output(self._pass_id)

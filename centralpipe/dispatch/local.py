@@ -1,0 +1,495 @@
+"""The Loader's central part in the caller's process (``central="process"``).
+
+A :class:`LocalCentral` holds everything of a Loader that is not its
+iteration bookkeeping: the central stages, the worker chains, the worker pool
+(or its start in the background), the current run and the pending
+checkpoint, behind the surface of :class:`~centralpipe.dispatch.central.Central`.
+The helper process of ``central="service"`` runs one too
+(:mod:`centralpipe.dispatch.service`).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from centralpipe import checkpoint, metrics, resume
+from centralpipe.config import LoaderConfig
+from centralpipe.dispatch.boundary import Policy, Run, StreamPlan, WarmStart, idle_worker_states
+from centralpipe.dispatch.executors.pool import Executor
+from centralpipe.dispatch.executors.preload import server_preload
+from centralpipe.dispatch.executors.procpool import ProcessPool, warm_up
+from centralpipe.dispatch.executors.starter import BACKGROUND_METHODS, BackgroundStart
+from centralpipe.dispatch.executors.threadpool import ThreadPool
+from centralpipe.dispatch.guard import hold
+from centralpipe.dispatch.pinning import make_pinner
+from centralpipe.dispatch.reorder import StreamStats
+from centralpipe.dispatch.worker.chain import WorkerChain
+from centralpipe.dispatch.worker.loop import WorkerSpec
+from centralpipe.lifetime import Resources
+from centralpipe.plan.pipeline import Pipeline
+from centralpipe.stages import (
+    Count,
+    Parallel,
+    RunContext,
+    all_nodes,
+    build_central,
+)
+from centralpipe.stages.totals import Total, chain_totals, exact_length
+from centralpipe.startup import check_picklable
+
+__all__ = ["LocalCentral"]
+
+T = TypeVar("T")
+
+
+class LocalCentral:
+    """One Loader's central part, run in this process; see the module docstring.
+
+    Not thread-safe beyond what the Loader's contract allows: every method is
+    called from the thread that iterates, except :meth:`metrics` (never
+    waits) and :meth:`finalize` (takes no lock)."""
+
+    def __init__(self, pipeline: Pipeline, config: LoaderConfig) -> None:
+        self._pipe = pipeline
+        self._config = config
+        dist = config.distributed
+        self._ctx = RunContext(
+            seed=config.seed, epoch=0, rank=dist.rank, world_size=dist.world_size
+        )
+        self._nodes = build_central(pipeline.central_stages, self._ctx)
+        # Stages inside a mix are queried by their qualified names (mix/source/stage).
+        self._by_name = {node.name: node for node in all_nodes(self._nodes)}
+        for node in self._nodes:
+            node.prepare()
+        # Dispatched items carry these stages' totals (delivered queries, checkpoints).
+        self._stamped = [node for node in self._nodes if node.stamped]
+        self._chain = WorkerChain(pipeline.worker_stages, config.seed)
+        self._segments = [n for n in self._nodes if isinstance(n, Parallel)]
+        self._segment_chains = [WorkerChain([n.spec], config.seed) for n in self._segments]
+        self._check_picklable()
+        self.epoch = 0
+        self._stats = StreamStats(config.workers.num_workers)
+        self._segment_stats = {
+            n.name: StreamStats(config.workers.num_workers) for n in self._segments
+        }
+        self._resume: dict[str, Any] | None = None
+        #: The pending checkpoint's central states are not loaded yet.
+        self._reload = False
+        self._run_ids = 0
+        self._res = Resources()
+        self._res.nodes = self._nodes
+        self._res.pinner = make_pinner(config.pin_memory)
+        # Keyed to this object, which only its Loader holds: it runs when the
+        # Loader is collected (see centralpipe.lifetime).
+        self._finalizer = weakref.finalize(self, self._res.finalize)
+        self._start_early()
+
+    @property
+    def _boundary(self) -> str:
+        """The name keying the dispatch boundary's in-flight inputs."""
+        return self._pipe.dispatch_name or "dispatch"
+
+    # -- passes ------------------------------------------------------------------
+
+    def start(self) -> Iterator[Any]:
+        """Start the pending resume or the next epoch; its outputs, in order.
+
+        The run itself is the iterator (no call between its start and its
+        return to the caller, where a Ctrl-C could lose a started pass)."""
+        return self._start_run()
+
+    def stop(self) -> None:
+        """End the current pass (bounded); its iterator yields nothing more."""
+        self._res.end_run()
+
+    def _start_run(self) -> Run:
+        """Start the pending resume or the next epoch.
+
+        The run is built (no thread yet) under the chain lock, registered, and
+        only then started: an error or Ctrl-C at any point of the start leaves
+        no thread that ``close()`` cannot stop, and stops the run before the
+        central stages go back to where they were. The epoch counter and the
+        pending checkpoint are restored then, so ``state_dict()`` still
+        resumes the pass that was being started."""
+        res = self._res
+        res.end_run()
+        pending, epoch_before = self._resume, self.epoch
+        with hold(res.chain_lock, "starting a pass", self._nodes):
+            if pending is not None and self._reload:
+                self._nodes[-1].load_flat(dict(pending["central"]))
+                self._reload = False
+            if pending is not None and not pending["finished"]:
+                epoch = self.epoch
+                run = self._make_run(
+                    epoch=epoch,
+                    plans=resume.plans(pending, self._boundary),
+                    delivered=resume.delivered(pending),
+                )
+            else:
+                epoch = self.epoch + 1
+                self._ctx.epoch = epoch
+                try:
+                    self._nodes[-1].load_flat(None)
+                    run = self._make_run(epoch=epoch, plans={})
+                except BaseException:
+                    self._ctx.epoch = epoch_before
+                    raise
+        try:
+            res.run = run
+            self.epoch, self._resume = epoch, None
+            run.start()
+        except BaseException:
+            res.end_run()
+            self.epoch, self._resume, self._ctx.epoch = epoch_before, pending, epoch_before
+            if pending is not None:
+                # The central stages go back to the checkpoint's position.
+                with hold(res.chain_lock, "restoring after a failed start", self._nodes):
+                    self._nodes[-1].load_flat(dict(pending["central"]))
+            raise
+        if pending is None or pending["finished"]:
+            self._stats.epoch_restarts = 0
+        return run
+
+    def set_next_epoch(self, epoch: int) -> None:
+        """Make the next pass start epoch ``epoch`` from its start, dropping a
+        pending checkpoint and the unread rest of the current epoch (as a new
+        pass drops it). For adapters of frameworks that count epochs themselves
+        (``centralpipe.lightning``)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1:
+            msg = f"`epoch` must be an int >= 1, got {epoch!r}."
+            raise ValueError(msg)
+        self._res.end_run()
+        self._resume = None
+        self.epoch = epoch - 1
+
+    def _make_run(self, *, epoch: int, plans: dict[str, StreamPlan], delivered: int = 0) -> Run:
+        w = self._config.workers
+        policy = Policy(
+            timeout_s=w.timeout_s,
+            max_restarts=w.max_restarts,
+            item_retries=w.item_retries,
+            on_error=w.on_error,
+            buffer_bytes=w.buffer_bytes,
+        )
+        pooled = self._pooled()
+        warm = self._warm_start() if pooled else None
+        executor = self._ensure_pool() if pooled and warm is None else None
+        if pooled:
+            self._run_ids += 1
+        return Run(
+            nodes=self._nodes,
+            chain=self._chain,
+            segment_chains=self._segment_chains,
+            epoch=epoch,
+            plans=plans,
+            buffer_size=w.buffer_size,
+            chunk_size=w.chunk_size,
+            policy=policy,
+            stats=self._stats,
+            segment_stats=self._segment_stats,
+            dispatch_name=self._boundary,
+            executor=executor,
+            run_id=self._run_ids,
+            delivered=delivered,
+            pinner=self._res.pinner,
+            chain_lock=self._res.chain_lock,
+            warm=warm,
+        )
+
+    def _warm_start(self) -> WarmStart | None:
+        """With ``start_inline`` (opt-in), run the first chunks inline
+        while the workers start in the background (``dispatch.warm``), or
+        ``None``: use the pool at once (waiting for it; the default, so that
+        user code runs only in the workers). Not with ``timeout_s`` (an item hung inline could
+        not be stopped) nor stateful worker stages (their state would be
+        split between this process and the workers)."""
+        w, starter = self._config.workers, self._res.starter
+        if starter is None or not w.start_inline or w.timeout_s is not None:
+            return None
+        if any(c.stateful for c in [self._chain, *self._segment_chains]):
+            return None
+        if starter.workers_ready():
+            return None
+        # Weak: the run must not keep the Loader alive (its finalizer ends
+        # the run, the pool and the start when the Loader is collected).
+        ready, acquire = (
+            weakref.WeakMethod(self._workers_ready),
+            weakref.WeakMethod(self._ensure_pool),
+        )
+        return WarmStart(lambda: _live(ready)(), lambda: _live(acquire)(), w.num_workers)
+
+    def _workers_ready(self) -> bool:
+        """The background start no longer needs waiting for (or was taken)."""
+        starter = self._res.starter
+        return starter is None or starter.workers_ready()
+
+    def _pooled(self) -> bool:
+        """Whether passes run worker stages on a pool of workers."""
+        w = self._config.workers
+        return w.num_workers > 0 and (bool(self._chain.specs) or bool(self._segments))
+
+    def _start_early(self) -> None:
+        """Start the forkserver (it imports what the workers need) and the
+        worker processes now, in the background (``dispatch.starter``), so
+        they are ready by the time the program iterates."""
+        w = self._config.workers
+        if w.executor != "process" or not self._pooled():
+            return
+        method = w.resolved_start_method()
+        if method == "forkserver":
+            warm_up(method, self._preload())
+        if method not in BACKGROUND_METHODS:
+            return
+        pool = None
+        try:
+            pool = self._new_pool()
+            self._res.starter = BackgroundStart(pool)
+        except Exception:
+            # E.g. no file descriptor left for a pipe: the first pass starts
+            # the workers itself and reports it there.
+            if pool is not None:
+                pool.close()
+
+    def _preload(self) -> list[str]:
+        return server_preload([*(n.spec for n in self._segments), *self._pipe.worker_stages])
+
+    def _new_pool(self) -> Executor:
+        w = self._config.workers
+        spec = WorkerSpec([*self._segment_chains, self._chain], os.getpid())
+        if w.executor == "thread":
+            return ThreadPool(w.num_workers, spec)
+        method = w.resolved_start_method()
+        if method != "forkserver":  # only a forkserver preloads anything
+            return ProcessPool(w.num_workers, spec, method, w.shared_memory_bytes)
+        return ProcessPool(w.num_workers, spec, method, w.shared_memory_bytes, self._preload())
+
+    def _ensure_pool(self) -> Executor:
+        res = self._res
+        if res.pool is not None and res.pool.closed:
+            # A failed start whose close was cut short (Ctrl-C): finish it.
+            res.pool.close()
+            res.pool = None
+        if res.pool is None:
+            starter = res.starter
+            if starter is not None:
+                try:
+                    pool = starter.result()
+                except BaseException:
+                    if starter.done():  # it failed, and closed what it started
+                        res.starter = None
+                    raise
+                res.pool, res.starter = pool, None
+            else:
+                pool = self._new_pool()
+                # Registered before it starts: close() (or the finalizer) ends a
+                # start cut short at any point, and its close if that is cut too.
+                res.pool = pool
+                try:
+                    pool.start()
+                except BaseException:
+                    pool.close()  # no half-started pool: the next iteration starts afresh
+                    res.pool = None
+                    raise
+        return res.pool
+
+    def total(self, stage: str | None = None) -> Total | None:
+        """Items one whole epoch yields, known without iterating: a
+        :class:`~centralpipe.Total` (``items``, and ``exact=False`` when it is
+        only an upper bound, e.g. after a ``filter``), or ``None`` when unknown.
+
+        ``stage=None``: this loader's output (this rank's, after the worker
+        stages). A stage name: the items that stage yields (e.g. the ``count``
+        a progress bar shows, before ``shard()``: every rank's items). May count
+        the lines of ``read_lines`` files (once per file, cached)."""
+        totals = self._totals()
+        if stage is None:
+            return totals[self._pipe.stages[-1].name]
+        if stage not in totals:
+            known = ", ".join(repr(n) for n in totals)
+            raise KeyError(f"no stage named {stage!r}; stages: {known}.")
+        return totals[stage]
+
+    def _totals(self) -> dict[str, Total | None]:
+        return chain_totals(self._nodes, self._pipe.stages, self._ctx)
+
+    def length(self) -> int:
+        """``len(loader)``: the exact length, else ``TypeError``."""
+        return exact_length(self._totals(), [s.name for s in self._pipe.stages])
+
+    # -- checkpoints -------------------------------------------------------------
+
+    def state(self, what: str = "state_dict()") -> dict[str, Any]:
+        """The position after the last item delivered (``Loader.state_dict``)."""
+        return self._state(what)
+
+    def _state(self, what: str) -> dict[str, Any]:
+        if self._resume is not None:
+            return resume.copy_state(self._resume)
+        run = self._res.run
+        if run is not None:
+            body = run.capture(what)
+            epoch = run.stream.epoch
+        else:
+            with hold(self._res.chain_lock, what, self._nodes):
+                body = resume.idle_body([n.name for n in self._segments], self._nodes)
+            epoch = self.epoch
+        dist = self._config.distributed
+        return resume.assemble(
+            body,
+            fingerprint=self._pipe.fingerprint(),
+            seed=self._config.seed,
+            epoch=epoch,
+            rank=dist.rank,
+            world_size=dist.world_size,
+            boundary=self._boundary,
+            stamped=self._stamped,
+        )
+
+    def load(self, state_dict: dict[str, Any]) -> None:
+        """``Loader.load_state_dict``: checked whole first (the typed model,
+        then this pipeline); on any error nothing has changed."""
+        ckpt = checkpoint.structure(state_dict)
+        checkpoint.check_pipeline(ckpt, self._expected())
+        # Valid: from here on the loader changes. A stage whose restore still
+        # fails (a re-iterable that got shorter, a user's node) rolls back.
+        before = self._state("load_state_dict()")
+        self._res.end_run()
+        # A `with`: no point between taking the chain lock and guarding its
+        # release where an interrupt (Ctrl-C) could land.
+        entered = False
+        try:
+            with hold(self._res.chain_lock, "load_state_dict()", self._nodes):
+                entered = True
+                try:
+                    self._restore(resume.copy_state(state_dict))
+                except BaseException:
+                    self._resume = None
+                    self._restore(before)
+                    raise
+        except TimeoutError:
+            if entered:
+                raise
+            # The stopped run's feeder is still inside a central next(): keep
+            # the position as it was; the stages are restored at the next start.
+            self._resume, self._reload = before, True
+            raise
+
+    def _restore(self, sd: dict[str, Any]) -> None:
+        self._ctx.epoch = sd["epoch"]
+        self._nodes[-1].load_flat(dict(sd["central"]))
+        self.epoch = sd["epoch"]
+        self._stats.epoch_restarts = 0
+        self._resume = sd
+
+    def _expected(self) -> checkpoint.Expected:
+        dist = self._config.distributed
+        return resume.expected(
+            self._pipe,
+            self._nodes,
+            self._ctx,
+            seed=self._config.seed,
+            rank=dist.rank,
+            world_size=dist.world_size,
+            boundary=self._boundary,
+        )
+
+    # -- queries -----------------------------------------------------------------
+
+    def query(self, name: str, *, delivered: bool = False) -> dict[str, Any]:
+        """A copy of central stage ``name``'s live state; with ``delivered=True``
+        (``count`` stages) its totals as of the last item the consumer received."""
+        node = self._by_name.get(name)
+        if node is None:
+            known = ", ".join(repr(n) for n in self._by_name)
+            workers = [s.name for s in self._pipe.worker_stages]
+            hint = (
+                f" ({name!r} is a worker stage; worker stages keep no state)"
+                if name in workers
+                else ""
+            )
+            raise KeyError(f"no central stage named {name!r}{hint}; central stages: {known}.")
+        run = self._res.run
+        if delivered:
+            if not isinstance(node, Count):
+                raise ValueError(
+                    f"delivered=True is for count stages; '{name}' is a {node.kind} stage."
+                )
+            if node not in self._nodes:
+                raise ValueError(
+                    f"delivered=True is for count stages of the main chain; '{name}' is inside "
+                    "a mix, whose stages run ahead of delivery (query it live)."
+                )
+            if run is not None:
+                stamp = run.delivered_stamp()
+                stamped = run.stamped_nodes()
+            elif self._resume is not None and self._resume.get("delivered_stamp") is not None:
+                stamp = self._resume["delivered_stamp"]
+                stamped = self._stamped
+            else:
+                return node.query_state()
+            if stamp is None:
+                return node.query_state()
+            items, weight = stamp[stamped.index(node)]
+            return {"items": items, "weight": weight}
+        what = f"query({name!r})"
+        if run is not None:
+            with run.reading(what):
+                return node.query_state()
+        with hold(self._res.chain_lock, what, self._nodes):
+            return node.query_state()
+
+    def metrics(self) -> dict[str, Any]:
+        """Per central stage items in/out and own time; ``"dispatch"``: buffer,
+        skipped items, worker restarts, items per worker and waiting times.
+        Never waits (see :mod:`centralpipe.metrics`)."""
+        return metrics.collect(
+            self._nodes,
+            self._stats,
+            self._segment_stats,
+            self._config.workers,
+            self._res.run,
+            self._res.pool,
+        )
+
+    def worker_states(self) -> list[dict[str, Any]]:
+        """``state_dict()`` of each worker's stateful worker-stage callables, one
+        dict per worker (inline: one). Never needed for exact resume."""
+        if self._config.workers.num_workers == 0:
+            return [self._chain.states()]
+        run = self._res.run
+        if run is not None and not run.stopping and run.session is not None:
+            return run.session.worker_states()
+        return idle_worker_states(self._ensure_pool(), self._stats)
+
+    def worker_pids(self) -> list[int]:
+        """Process ids of the live workers (empty before the first iteration
+        and with ``num_workers=0``), e.g. for monitoring."""
+        return self._res.worker_pids()
+
+    # -- lifetime ------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release the run, the pool, the pin thread and the files; idempotent.
+        A ``close()`` cut short by Ctrl-C is finished by the next one (or, at
+        the latest, by the finalizer)."""
+        if self._finalizer.alive:
+            self._res.close()
+            self._finalizer.detach()
+
+    def _check_picklable(self) -> None:
+        w = self._config.workers
+        if w.num_workers == 0 or w.executor == "thread":
+            return
+        specs = [*(n.spec for n in self._segments), *self._pipe.worker_stages]
+        check_picklable(specs, w.resolved_start_method())
+
+
+def _live(method: weakref.WeakMethod[Callable[[], T]]) -> Callable[[], T]:
+    """The bound method, while its Loader lives."""
+    bound = method()
+    if bound is None:
+        raise RuntimeError("the Loader was garbage collected")
+    return bound

@@ -1,0 +1,242 @@
+"""``central="service"``: the Loader's central part in one helper process (its side).
+
+The helper (the *service*) runs a
+:class:`~centralpipe.dispatch.local.LocalCentral` (the central stages, the
+dispatch and the worker pool; its workers are its own children), so the
+central chain's CPU time and GIL are not the training loop's. The training
+process keeps a :class:`~centralpipe.dispatch.client.ServiceClient`, the same
+surface as ``LocalCentral``: each call is one request and one reply.
+
+- **Finding and trusting it**: the service listens on a Unix socket in this
+  user's ``0700`` directory of the job, and the client connects with the
+  per-Loader token and peer credentials (:mod:`centralpipe.dispatch.rendezvous`);
+  nothing is unpickled before both sides authenticated. Once its client is
+  connected the service removes the socket (and the directory, if empty):
+  nothing else can connect, and nothing is left on disk however either side
+  ends.
+- **Outputs**: one reply per output, pulled from the service's pass only when
+  the client asks, so the service's delivery position is the consumer's and
+  ``state()`` is exact. Large tensors and arrays cross in a shared-memory ring
+  (:mod:`centralpipe.dispatch.wire.shm`, the one the workers use: anonymous
+  memory, nothing in ``/dev/shm``) and are lent to the consumer without a
+  copy; the client does no per-item work beyond receiving its output.
+- **Faults**: every wait of the client is on the connection *and* the
+  service's process sentinel, so a killed service is a ``ServiceError`` at
+  once, never a hang. The service ends when its client closes, when the
+  connection ends (the client died: the kernel closes it) or when its watchdog
+  sees the client gone; its workers notice the service gone on their own.
+  Ctrl-C reaches the service too (one process group) and is ignored there: the
+  client decides, as the main process does for its workers.
+- **Threads**: requests take turns on the first connection; ``metrics()`` and
+  ``worker_pids()``, which never wait in any mode, go on a second one that a
+  thread of the service answers, so they are not queued behind a ``next()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+from centralpipe.config import LoaderConfig
+from centralpipe.dispatch import rendezvous
+from centralpipe.dispatch.local import LocalCentral
+from centralpipe.dispatch.wire import transport
+from centralpipe.dispatch.wire.stash import RingWriter, receive_ring
+from centralpipe.dispatch.worker.loop import main_alive
+from centralpipe.errors import ServiceError
+from centralpipe.plan.pipeline import Pipeline
+
+__all__ = ["ACCEPT_TIMEOUT_S", "WATCHDOG_S", "serve"]
+
+#: How long the service waits for its client to connect.
+ACCEPT_TIMEOUT_S = 60.0
+#: How often the service's watchdog checks that its client lives.
+WATCHDOG_S = 0.5
+
+_SUPERSEDED = (
+    "this iterator was superseded: iter(loader), load_state_dict() or close() "
+    "was called since it started; iterate the loader again."
+)
+
+
+def _watchdog(client_pid: int, parent_pid: int) -> None:
+    """End the service once its client is gone (dead, even unreaped, or the
+    service re-parented), even inside a central ``next()``: its workers then
+    see it gone and end too."""
+    while True:
+        time.sleep(WATCHDOG_S)
+        if os.getppid() != parent_pid or not main_alive(client_pid):
+            os._exit(0)
+
+
+def serve(
+    pipeline: Pipeline,
+    config: LoaderConfig,
+    path: str,
+    token: bytes,
+    client_pid: int,
+    ready: Connection,
+    with_ring: bool,
+) -> None:
+    """Entry point of the service process (a ``multiprocessing.Process`` target)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(
+        target=_watchdog,
+        args=(client_pid, os.getppid()),
+        name="centralpipe-service-watchdog",
+        daemon=True,
+    ).start()
+    conns = _clients(path, token, client_pid, ready)
+    if conns is None:
+        return
+    conn, control = conns
+    ring: RingWriter | None = None
+    try:
+        if with_ring:  # the first thing on the connection (see wire.shm)
+            ring = receive_ring(conn)
+        _Server(conn, ring).run(pipeline, config, control)
+    except (EOFError, OSError):  # the client went away
+        pass
+    finally:
+        conn.close()
+        control.close()
+
+
+def _clients(
+    path: str, token: bytes, client_pid: int, ready: Connection
+) -> tuple[Connection, Connection] | None:
+    """Listen at ``path`` until the client has authenticated its two
+    connections (requests, then reads that never wait); then remove the
+    socket (and its directory when empty). Peers that fail to authenticate
+    are dropped and the wait goes on; ``None`` if the client never comes."""
+    conns: list[Connection] = []
+    listener = rendezvous.listen(path)
+    try:
+        listener.settimeout(ACCEPT_TIMEOUT_S)
+        ready.send_bytes(b"ready")
+        ready.close()
+        deadline = time.monotonic() + ACCEPT_TIMEOUT_S
+        while len(conns) < 2 and time.monotonic() < deadline:
+            try:
+                conns.append(rendezvous.accept(listener, token, expect_pid=client_pid))
+            except ServiceError:
+                continue  # not our client: refused, keep waiting for it
+            except (TimeoutError, OSError):
+                break
+    finally:
+        listener.close()
+        rendezvous.remove_socket(path)
+    if len(conns) < 2:
+        for c in conns:
+            c.close()
+        return None
+    return conns[0], conns[1]
+
+
+class _Server:
+    """The service's request loop over one authenticated connection."""
+
+    def __init__(self, conn: Connection, ring: RingWriter | None) -> None:
+        self._conn = conn
+        self._ring = ring
+        self._pass_id = 0
+        self._outputs: Iterator[Any] | None = None
+
+    def run(self, pipeline: Pipeline, config: LoaderConfig, control: Connection) -> None:
+        try:
+            central = LocalCentral(pipeline, config)
+        except Exception as exc:
+            self._reply("err", exc)
+            return
+        try:
+            threading.Thread(
+                target=_serve_reads,
+                args=(central, control),
+                name="centralpipe-service-reads",
+                daemon=True,
+            ).start()
+            self._reply("ok", central.epoch)
+            while True:
+                op, args = self._conn.recv()
+                if op == "close":
+                    central.close()
+                    self._reply("ok", None)
+                    return
+                self._handle(central, op, args)
+        finally:
+            central.close()
+
+    def _handle(self, central: LocalCentral, op: str, args: tuple[Any, ...]) -> None:
+        value: Any = None
+        try:
+            if op == "next":
+                if args[0] != self._pass_id or self._outputs is None:
+                    raise RuntimeError(_SUPERSEDED)
+                try:
+                    value = self._outputs.__next__()
+                except StopIteration:
+                    self._reply("end", None)
+                    return
+            elif op == "start":
+                self._outputs = None
+                self._outputs = central.start()
+                self._pass_id += 1
+                value = (self._pass_id, central.epoch)
+            elif op == "stop":
+                self._outputs = None
+                central.stop()
+            elif op == "load":
+                central.load(args[0])
+                value = central.epoch
+            elif op == "set_next_epoch":
+                self._outputs = None
+                central.set_next_epoch(args[0])
+                value = central.epoch
+            elif op == "query":
+                value = central.query(args[0], delivered=args[1])
+            elif op in _READS:
+                value = getattr(central, op)(*args)
+            else:
+                raise ValueError(f"unknown request {op!r}")
+        except Exception as exc:
+            self._reply("err", exc)
+            return
+        self._reply("ok", value)
+
+    def _reply(self, kind: str, value: Any) -> None:
+        try:
+            msg = transport.dumps((kind, value))
+        except Exception as exc:  # e.g. an exception or output that cannot be pickled
+            what = f"{type(value).__name__}: {value}" if kind == "err" else type(value).__name__
+            err = RuntimeError(
+                f"the central service could not send a reply ({what}): "
+                f"{transport.exception_text(exc)}; make it picklable."
+            )
+            msg = transport.dumps(("err", err))
+        transport.write(self._conn, msg, self._ring)
+
+
+_READS = ("state", "total", "length", "worker_states")
+#: Reads that never wait (``LocalCentral`` answers them from any thread): served
+#: on their own connection, so they are not queued behind a ``next()``.
+_NEVER_WAIT = ("metrics", "worker_pids")
+
+
+def _serve_reads(central: LocalCentral, conn: Connection) -> None:
+    """The service's second connection: ``_NEVER_WAIT`` reads, in a thread."""
+    with contextlib.suppress(EOFError, OSError):
+        while True:
+            op, _ = conn.recv()
+            try:
+                if op not in _NEVER_WAIT:
+                    raise ValueError(f"unknown read {op!r}")
+                reply: tuple[str, Any] = ("ok", getattr(central, op)())
+            except Exception as exc:
+                reply = ("err", exc)
+            transport.send(conn, reply)

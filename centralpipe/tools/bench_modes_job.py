@@ -1,0 +1,93 @@
+"""CPU time of a whole job per epoch, by central mode: one rank of it, under torchrun.
+
+``python -m torch.distributed.run --nproc_per_node=N --master_addr=127.0.0.1
+--master_port=P -m centralpipe.tools.bench_modes_job --central MODE``
+
+Every rank runs the ``seed`` pipeline (pure-Python tokenizer ``parallel=True``
+→ ``bucket_by_max_tokens`` → ``count`` → ``shard(equalize="drop_last")`` →
+``dispatch`` → pad, 2 workers) over the bundled corpus repeated ``--repeat``
+times: one warm-up epoch, then ``--epochs`` timed epochs. Each rank reads the
+CPU time (user + system) of its own process tree (itself, its workers, its
+service, and what they reaped) from ``/proc`` (``psutil``) around the timed
+epochs; rank 0 prints one markdown row: the job's CPU seconds per epoch (the
+ranks' sum), the lines per second of each rank, and the wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import centralpipe as cp
+from centralpipe.tools.bench import CpuMeter
+from centralpipe.tools.bench_seed import BUFFER, CORPUS_GLOB, MAX_TOKENS, pad, train_py_tokenizer
+
+__all__ = ["main"]
+
+
+def _tree_cpu_s(meter: CpuMeter) -> float:
+    reading = meter.read()
+    if reading is None:
+        raise RuntimeError("bench_modes_job needs psutil: pip install 'centralpipe[bench]'.")
+    return reading[2]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--central", choices=("process", "service"), default="process")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=2, help="copies of the corpus")
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args(argv)
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    corpus = [
+        line
+        for path in sorted(glob.glob(CORPUS_GLOB))
+        for line in Path(path).read_text(encoding="utf-8").split("\n")
+    ]
+    tok = train_py_tokenizer(corpus)
+    lines = corpus * args.repeat
+    pipe = (
+        cp.Pipeline.from_iterable(lines)
+        .map(tok, parallel=True)
+        .bucket_by_max_tokens(MAX_TOKENS, buffer_size=BUFFER, min_len=1)
+        .count("pre_shard", weight_fn=len)
+        .shard(equalize="drop_last")
+        .dispatch()
+        .map(pad)
+    )
+    config = cp.LoaderConfig(
+        workers=cp.WorkerConfig(num_workers=args.workers, start_method="fork"),
+        distributed=cp.DistributedConfig.from_env(),
+        central=args.central,
+    )
+    meter = CpuMeter()
+    with cp.Loader(pipe, config) as loader:
+        sum(1 for _ in loader)  # warm-up: the workers (and the service) are up
+        dist.barrier()
+        cpu0, t0 = _tree_cpu_s(meter), time.perf_counter()
+        for _ in range(args.epochs):
+            sum(1 for _ in loader)
+        wall, cpu = time.perf_counter() - t0, _tree_cpu_s(meter) - cpu0
+    rate = len(lines) * args.epochs / wall  # central lines passed per second, this rank
+    out: list[list[float]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(out, [cpu, rate, wall])
+    if dist.get_rank() == 0:
+        job_cpu = sum(r[0] for r in out) / args.epochs
+        rates = ", ".join(f"{r[1]:,.0f}" for r in out)
+        walls = max(r[2] for r in out) / args.epochs
+        print(
+            f"| {args.central} | {dist.get_world_size()} | {job_cpu:.2f} | {rates} | {walls:.2f} |",
+            flush=True,
+        )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

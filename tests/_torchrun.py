@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import traceback
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,9 @@ def torchrun(
         "--nnodes=1",
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=127.0.0.1:0",
+        # A job id of its own (torchrun's default is "none" for every job), as
+        # a scheduler would give: what is keyed by the job stays per launch.
+        f"--rdzv-id={uuid.uuid4().hex}",
         str(script),
         *args,
     ]

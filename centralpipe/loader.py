@@ -223,6 +223,7 @@ class Loader(Generic[T]):
             pinner=self._res.pinner,
             chain_lock=self._res.chain_lock,
             warm=warm,
+            read_in_workers=w.read_in_workers,
         )
 
     def _warm_start(self) -> WarmStart | None:

@@ -9,6 +9,11 @@ adapts to the measured cost of the worker stages (:func:`target_chunk`), and
 a chunk is pulled only when a whole one fits in the buffer
 (:func:`has_room`).
 
+A parallel stage that reads straight from ``read_lines`` on workers pulls
+each chunk as one range of lines instead (:func:`_fill_range`; see
+:mod:`centralpipe.dispatch.worker.ranges`): its lines are read by the
+worker, and its seqs and the reader's position are those of the lines.
+
 A Ctrl-C (any ``BaseException`` that is not an ``Exception``) from the
 chain is not a stage's failure: the items pulled so far stay in the chunk,
 closed, and it is re-raised at once (:func:`pull_chunk`).
@@ -17,6 +22,7 @@ closed, and it is re-raised at once (:func:`pull_chunk`).
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from centralpipe.dispatch.reorder import FIRST_CHUNK, Stream
 from centralpipe.dispatch.supervisor import POLL_S
@@ -114,12 +120,14 @@ def pull_chunk(s: Stream) -> Chunk | None:
                 target = max(1, min(target, s.buffer_size - s.in_flight))
             first_seq = s._resume[0][0] if s._resume else s.next_seq
             new = Chunk(s.next_cid, first_seq, stamped)
+            # Ranges once the resumed items are sent (those are lines).
+            fill = _fill_range if s.ranges is not None and not s._resume else _fill
             # No call from here to the append: registered whole or not at all.
             chunk = new
             s.next_cid += 1
             s.by_cid[new.cid] = new
             s.pending.append(new)
-        return _fill(s, new, target, counted)
+        return fill(s, new, target, counted)
     except BaseException:
         if chunk is not None:
             _keep(s, chunk, counted)
@@ -144,6 +152,11 @@ def _keep(s: Stream, chunk: Chunk, counted: list[int]) -> None:
     """The chunk being filled was cut short (Ctrl-C, or a bug of ours): keep
     what it holds as a closed chunk, or drop it if empty. No stage has moved
     since its last item was pulled, so a missing stamp is taken now."""
+    took = s.took
+    if took and not chunk.items:
+        # Cut between the reader's hand-out of a range and its store.
+        chunk.items = took[0]
+    s.took = []
     stamps = chunk.stamps
     try:
         if stamps is not None and len(stamps) < len(chunk.items):
@@ -168,6 +181,65 @@ def _keep(s: Stream, chunk: Chunk, counted: list[int]) -> None:
             elif chunk in s.pending:
                 s.pending.remove(chunk)
                 del s.by_cid[chunk.cid]
+
+
+def _fill_range(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | None:
+    """The chunk as one range of the reader ``s.ranges``: up to ``target``
+    lines that a worker reads (``ReadLines.take_range``), in one call of the
+    central chain. The range is handed out into ``s.took`` and stored as the
+    chunk's items with no call in between; :func:`_keep` finishes a store
+    that an interrupt cut short."""
+    reader = s.ranges
+    chain_lock = s.chain_lock
+    while True:
+        if s._readers:
+            time.sleep(0)  # let a waiting state_dict()/query() take the lock first
+        try:
+            acquired = chain_lock.acquire(timeout=POLL_S)
+            if not acquired:
+                if s.stopping:
+                    break
+                continue
+            if s.stopping:
+                break
+            t0 = time.perf_counter()
+            exhausted = False
+            error: Exception | None = None
+            took: list[Any] = []
+            s.took = took
+            try:
+                reader.take_range(took, target)
+            except StopIteration:
+                exhausted = True
+            except Exception as exc:  # the reader failed (an unreadable file)
+                error = exc
+                exhausted = True
+            if took:
+                chunk.items = took[0]
+            s.took = []
+            now = time.perf_counter()
+            with s.lock:
+                if exhausted:
+                    s.exhausted = True
+                    s.central_error = error
+                _count(s, chunk, counted)
+                s.stats.wait_central_s += now - t0
+                if not chunk.items:
+                    s.pending.remove(chunk)
+                    del s.by_cid[chunk.cid]
+                    return None
+                chunk.closed = True
+                n = len(chunk.items)
+                s.stats.dispatched += n
+                if not isinstance(chunk.items, list):  # a range, not lines of a remote file
+                    s.stats.range_lines += n
+                return chunk
+        finally:
+            try:
+                chain_lock.release()
+            except RuntimeError:  # not taken (timed out, or interrupted in the wait)
+                pass
+    return None  # stopping: the chunk stays in pending (the run is abandoned)
 
 
 def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | None:

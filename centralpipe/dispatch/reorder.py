@@ -43,6 +43,7 @@ from centralpipe.dispatch.guard import Wake, new_chain_lock
 from centralpipe.dispatch.stamps import Stamper
 from centralpipe.dispatch.wire.protocol import Chunk, ChunkResult, InFlight, StageFailure
 from centralpipe.dispatch.worker.chain import WorkerChain
+from centralpipe.dispatch.worker.ranges import LineRange
 from centralpipe.errors import CheckpointError, WorkerError
 from centralpipe.stages import CentralNode
 
@@ -109,7 +110,15 @@ class StreamStats:
         #: Items whose worker stages the main process ran while the workers
         #: started (``dispatch.warm``).
         self.inline_items = 0
+        #: Lines sent as byte ranges that the workers read (``dispatch.worker.ranges``).
+        self.range_lines = 0
         self.chunk_size = FIRST_CHUNK
+
+
+def _is_read_failure(chunk: Chunk, failure: StageFailure) -> bool:
+    """``failure`` is a line of the chunk's range that could not be read."""
+    items = chunk.items
+    return isinstance(items, LineRange) and failure.stage == items.stage
 
 
 class Stream(Capture):
@@ -180,6 +189,11 @@ class Stream(Capture):
         self._readers = 0
         self._readers_lock = threading.Lock()  # += on an int is not atomic
         self._stamped = stamper.stamped
+        #: The reader whose lines this stream pulls as ranges that workers
+        #: read (``ReadLines.take_range``), or ``None``; set by the run.
+        self.ranges: Any = None
+        #: A range the reader has handed out and ``pull`` not yet stored.
+        self.took: list[Any] = []
         self._resume: deque[tuple[int, Any, Any]] = deque()
         self._resume_skip: set[int] = set()
         self._resume_skip_first = (-1, 0)
@@ -246,7 +260,12 @@ class Stream(Capture):
             counts = [max(0, counts[0] - k), *counts[1:]]
             result = result._replace(outputs=result.outputs[k:], counts=counts)
         if result.failures and self.on_error == "skip":
+            # A range's line that cannot be read is the reader's failure (as
+            # read_lines raises it), not the worker stage's: never skipped.
+            kept = [f for f in result.failures if _is_read_failure(chunk, f)]
             for failure in result.failures:
+                if _is_read_failure(chunk, failure):
+                    continue
                 self.stats.skipped += 1
                 seq = chunk.first_seq + failure.at
                 if failure.text:
@@ -259,7 +278,9 @@ class Stream(Capture):
                     failure.exc_type,
                     failure.message,
                 )
-            result = result._replace(failures=None, counts=result.counts or [1] * len(chunk.items))
+            result = result._replace(
+                failures=kept or None, counts=result.counts or [1] * len(chunk.items)
+            )
         if self.pinner is not None and result.outputs:
             chunk.pinned = self.pinner.submit(result.outputs)
         return result
@@ -371,6 +392,14 @@ class Stream(Capture):
             return _END
         if self.stopping:  # stop() ended the chunk: superseded
             return _END
+        if _is_read_failure(chunk, failure):
+            # As read_lines raises it: a central stage's error, after the
+            # lines before it; the stream ends (a checkpoint resumes after it).
+            chunk.raised_at = failure.at
+            self.broken = True
+            self._end_error = chunk.items.error_at(failure.at, failure.message)
+            self._ending = True
+            self._end()
         seq = chunk.first_seq + failure.at
         msg = failure.text or (
             f"worker stage '{failure.stage}' raised {failure.exc_type} on item seq {seq}: "

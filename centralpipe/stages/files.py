@@ -17,12 +17,14 @@ import os
 import stat
 import threading
 from collections.abc import Mapping
+from time import perf_counter_ns
 from typing import IO, Any
 
 import attrs
 from attrs import validators as v
 from torchdata.nodes import BaseNode
 
+from centralpipe.dispatch.worker.ranges import LineRange
 from centralpipe.errors import CheckpointError
 from centralpipe.plan.pipeline import StageSpec
 from centralpipe.stages.base import CentralNode, RunContext
@@ -43,10 +45,30 @@ __all__ = [
 PATH_KEY = "path"
 OFFSET_KEY = "offset"
 COUNT_CHUNK_BYTES = 1 << 20
+#: Most bytes in one range a worker reads (``take_range``): a range holds at
+#: most a chunk of lines (the adaptive chunk size, bounded by the buffer), and
+#: at most this many bytes, so a file of long lines is not read as one
+#: message's worth of work; a single longer line is one range.
+RANGE_BYTES = 1 << 20
+#: The least read for a range: one read, not several, for short chunks.
+MIN_RANGE_READ = 1 << 12
 
 # realpath -> (size, mtime_ns, lines): counts stay valid while both are unchanged.
 _line_counts: dict[str, tuple[int, int, int]] = {}
 _line_counts_lock = threading.Lock()
+
+
+def _cut(data: bytes, max_lines: int, at_eof: bool) -> tuple[int, int]:
+    """``(bytes, lines)`` of the longest start of ``data`` (a file's bytes from
+    a line start; ``at_eof``: up to its end) that is whole lines, at most
+    ``max_lines`` of them. ``data`` holds a ``\\n`` unless ``at_eof``."""
+    newlines = data.count(b"\n")
+    if at_eof and data[-1:] != b"\n" and newlines < max_lines:
+        return len(data), newlines + 1  # to the end: the last line has no "\n"
+    if newlines > max_lines:
+        rest = data.split(b"\n", max_lines)[-1]
+        return len(data) - len(rest), max_lines
+    return data.rindex(b"\n") + 1, newlines
 
 
 def count_lines(path: str | os.PathLike[str]) -> int:
@@ -167,6 +189,8 @@ class ReadLines(CentralNode[str]):
         self._path: str | None = None
         self._offset = 0
         self._file: IO[bytes] | None = None
+        #: Bytes per line of the last range: how much to read for the next.
+        self._line_bytes = 64.0
 
     def produce(self) -> str:
         while True:
@@ -197,6 +221,80 @@ class ReadLines(CentralNode[str]):
             except UnicodeDecodeError as exc:
                 exc.add_note(f"(in file {self._path!r} at byte offset {offset})")
                 raise
+
+    def take_range(self, out: list[Any], max_lines: int) -> None:
+        """Append the next at most ``max_lines`` lines to ``out`` as one
+        sequence: a :class:`~centralpipe.dispatch.worker.ranges.LineRange` (a
+        local file's byte range aligned to line starts, which a worker reads
+        and splits as :meth:`produce` would), or a list of the lines of a
+        file read through fsspec (those are read here). ``StopIteration`` at
+        the end of the epoch. The stage's position moves past the lines as if
+        they had been pulled one by one: the state is the same, so a
+        checkpoint resumes with or without ranges.
+
+        The bytes of the range are read here only to find its end (the
+        first line start after ``max_lines`` lines or ``RANGE_BYTES``) and to
+        count its lines, in C; no line is split or decoded here."""
+        start_ns = perf_counter_ns()
+        try:
+            while True:
+                if self._file is None:
+                    if self._path is None:
+                        assert self.source is not None
+                        self._path = os.fspath(next(self.source))
+                        self._offset = 0
+                    try:
+                        self._open(self._path, self._offset)
+                    except BaseException as exc:
+                        if isinstance(exc, Exception):  # not interrupted: this file is skipped
+                            self._path, self._offset = None, 0
+                        raise
+                assert self._file is not None and self._path is not None
+                if is_url(self._path):
+                    lines: list[str] = []
+                    out.append(lines)  # first: lines pulled stay pulled whatever is raised
+                    try:
+                        self.produce_into(lines, max_lines)
+                    finally:
+                        self.items_out += len(lines)
+                    return
+                if self._append_range(out, max_lines):
+                    return
+                self._close()
+        finally:
+            self.busy_ns += perf_counter_ns() - start_ns
+
+    def _append_range(self, out: list[Any], max_lines: int) -> bool:
+        """The next range of the open local file onto ``out``; ``False`` at its end."""
+        f, path, start = self._file, self._path, self._offset
+        assert f is not None and path is not None
+        size = min(RANGE_BYTES, max(MIN_RANGE_READ, int(max_lines * self._line_bytes * 1.25)))
+        data = f.read(size)
+        at_eof = len(data) < size
+        while not at_eof and b"\n" not in data:  # one line longer than what was read
+            more = f.read(size)
+            at_eof = len(more) < size
+            data += more
+        if not data:
+            return False
+        end, count = _cut(data, max_lines, at_eof)
+        f.seek(start + end)
+        self._line_bytes = end / count
+        lines = LineRange(
+            os.path.abspath(path),
+            start,
+            start + end,
+            count,
+            encoding=self._encoding,
+            errors=self._errors,
+            stage=self.name,
+        )
+        # No call between the move and the append (which moves the range
+        # inside C): the lines are either still to read or in ``out``.
+        self._offset = start + end
+        out.append(lines)
+        self.items_out += count
+        return True
 
     def own_state(self) -> dict[str, Any]:
         return {PATH_KEY: state_name(self.source, self._path), OFFSET_KEY: self._offset}

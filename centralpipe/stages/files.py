@@ -61,14 +61,17 @@ _line_counts_lock = threading.Lock()
 def _cut(data: bytes, max_lines: int, at_eof: bool) -> tuple[int, int]:
     """``(bytes, lines)`` of the longest start of ``data`` (a file's bytes from
     a line start; ``at_eof``: up to its end) that is whole lines, at most
-    ``max_lines`` of them. ``data`` holds a ``\\n`` unless ``at_eof``."""
+    ``max_lines`` of them. ``data`` holds a ``\\n`` unless ``at_eof``. In C but
+    for one step per line beyond ``max_lines`` (the reads aim at about that)."""
     newlines = data.count(b"\n")
     if at_eof and data[-1:] != b"\n" and newlines < max_lines:
         return len(data), newlines + 1  # to the end: the last line has no "\n"
-    if newlines > max_lines:
-        rest = data.split(b"\n", max_lines)[-1]
-        return len(data) - len(rest), max_lines
-    return data.rindex(b"\n") + 1, newlines
+    if newlines <= max_lines:
+        return data.rindex(b"\n") + 1, newlines
+    end = len(data)
+    for _ in range(newlines - max_lines + 1):  # back to the max_lines-th "\n"
+        end = data.rindex(b"\n", 0, end)
+    return end + 1, max_lines
 
 
 def count_lines(path: str | os.PathLike[str]) -> int:
@@ -268,7 +271,7 @@ class ReadLines(CentralNode[str]):
         """The next range of the open local file onto ``out``; ``False`` at its end."""
         f, path, start = self._file, self._path, self._offset
         assert f is not None and path is not None
-        size = min(RANGE_BYTES, max(MIN_RANGE_READ, int(max_lines * self._line_bytes * 1.25)))
+        size = min(RANGE_BYTES, max(MIN_RANGE_READ, int(max_lines * self._line_bytes)))
         data = f.read(size)
         at_eof = len(data) < size
         while not at_eof and b"\n" not in data:  # one line longer than what was read

@@ -272,6 +272,9 @@ class ReadLines(CentralNode[str]):
         f, path, start = self._file, self._path, self._offset
         assert f is not None and path is not None
         size = min(RANGE_BYTES, max(MIN_RANGE_READ, int(max_lines * self._line_bytes)))
+        # From the position, not from where the file is: a read cut short by
+        # an interrupt (Ctrl-C) has moved the file but not the position.
+        f.seek(start)
         data = f.read(size)
         at_eof = len(data) < size
         while not at_eof and b"\n" not in data:  # one line longer than what was read

@@ -150,7 +150,7 @@ class Loader(Generic[T]):
                 epoch = self.epoch
                 run = self._make_run(
                     epoch=epoch,
-                    plans=resume.plans(pending, self._boundary),
+                    plans=resume.plans(pending, self._boundary, resume.readers(self._nodes)),
                     delivered=resume.delivered(pending),
                 )
             else:

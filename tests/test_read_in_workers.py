@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 import centralpipe as cp
+from centralpipe import checkpoint
 from centralpipe.dispatch.worker.ranges import LineRange, split_lines
 from centralpipe.stages import files as files_stage
 from centralpipe.testing import assert_resumes_exactly
@@ -276,7 +277,7 @@ def test_damaged_positions_are_refused(tmp_path: Path, offset: int, message: str
     state = _state_mid_file(glob)
     lines_state = state["central"]["lines"]
     assert lines_state["path"] == "e_long.txt"
-    assert state["in_flight"]["par"]["items"]  # lines of ranges in flight
+    assert state["in_flight"]["par"]["ranges"]  # lines in flight, as ranges
     state["central"]["lines"] = {**lines_state, "offset": offset}
     with (
         cp.Loader(_pipe(glob), _cfg(2)) as loader,
@@ -388,3 +389,75 @@ def test_seeds_and_skipped_failures_are_per_line(
         with cp.Loader(skipping, config) as loader:
             assert list(loader) == [line for line in LINES if line != "two"]
             assert loader.metrics()["dispatch"]["skipped"] == 1
+
+
+def test_in_flight_lines_are_saved_as_ranges(tmp_path: Path) -> None:
+    """Mid-epoch, the lines workers read are in the checkpoint as byte ranges
+    of their files (no line text), and ``next_seq`` counts their lines."""
+    glob = _write(tmp_path, CORPUS)
+    state = _state_mid_file(glob)
+    flight = state["in_flight"]["par"]
+    assert flight["items"] == []
+    lines = 0
+    for at, name, start, end, count, skip in flight["ranges"]:
+        data = (tmp_path / name).read_bytes()
+        assert at == 0 and 0 <= skip < count
+        assert start == 0 or data[start - 1 : start] == b"\n"
+        assert data[start:end].count(b"\n") + (end == len(data) and data[-1:] != b"\n") == count
+        lines += count - skip
+    assert flight["next_seq"] == flight["first_seq"] + lines
+    assert checkpoint.unstructure(checkpoint.structure(state)) == state  # the typed model's form
+
+
+def _with_range(state: dict[str, Any], **change: Any) -> dict[str, Any]:
+    flight = state["in_flight"]["par"]
+    at, name, start, end, count, skip = flight["ranges"][0]
+    record = {"at": at, "name": name, "start": start, "end": end, "count": count, "skip": skip}
+    record.update(change)
+    if record["skip"] is None:  # as many as the range holds
+        record["skip"] = record["count"]
+    fixed = [list(record.values()), *flight["ranges"][1:]]
+    lines = sum(r[4] - r[5] for r in fixed)
+    in_flight = {**flight, "ranges": fixed, "next_seq": flight["first_seq"] + lines}
+    return {**state, "in_flight": {**state["in_flight"], "par": in_flight}}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        pytest.param({"start": 1}, "is not .* whole lines", id="start-not-a-line-start"),
+        pytest.param({"end": 10**6}, "ends at byte 1000000", id="end-past-the-file"),
+        pytest.param({"name": "nope.txt"}, "cannot reopen", id="missing-file"),
+        pytest.param({"start": "0"}, r"ranges must be a list of \[at, file", id="wrong-type"),
+        pytest.param({"skip": None}, "skip < lines", id="skip-all-the-range"),
+        pytest.param({"at": 5}, r"each 'at' <= len\(items\)", id="at-past-the-items"),
+    ],
+)
+def test_damaged_ranges_are_refused(tmp_path: Path, change: dict[str, Any], message: str) -> None:
+    """A range in flight that is not whole lines of a file here (off a line
+    start, past the end, a missing file, wrong types, a skip past its lines,
+    out of order) is refused with ``CheckpointError``, changing nothing."""
+    glob = _write(tmp_path, CORPUS)
+    state = _state_mid_file(glob)
+    with cp.Loader(_pipe(glob), _cfg(2)) as loader:
+        with pytest.raises(cp.CheckpointError, match=message):
+            loader.load_state_dict(_with_range(state, **change))
+        assert list(loader) == EXPECTED["map"]  # nothing was loaded
+
+
+def test_ranges_into_a_stage_that_reads_none_are_refused(tmp_path: Path) -> None:
+    """Ranges in flight for a parallel stage that does not read from
+    ``read_lines`` (another pipeline of the same shape) are refused."""
+    glob = _write(tmp_path, CORPUS)
+    state = _state_mid_file(glob)
+    other = (
+        cp.Pipeline.from_files(glob)
+        .flat_map(_chars, name="lines")
+        .map(_tag, parallel=True, name="par")
+        .count("seen", weight_fn=len)
+    )
+    with cp.Loader(other, _cfg(2)) as loader:
+        theirs = loader.state_dict()
+        theirs["in_flight"]["par"] = state["in_flight"]["par"]
+        with pytest.raises(cp.CheckpointError, match=r"in_flight\['par'\].ranges must be \[\]"):
+            loader.load_state_dict(theirs)

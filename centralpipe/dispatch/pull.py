@@ -27,6 +27,7 @@ from typing import Any
 from centralpipe.dispatch.reorder import FIRST_CHUNK, Stream
 from centralpipe.dispatch.supervisor import POLL_S
 from centralpipe.dispatch.wire.protocol import Chunk
+from centralpipe.dispatch.worker.ranges import LineRange
 
 __all__ = [
     "FLUSH_S",
@@ -120,8 +121,13 @@ def pull_chunk(s: Stream) -> Chunk | None:
                 target = max(1, min(target, s.buffer_size - s.in_flight))
             first_seq = s._resume[0][0] if s._resume else s.next_seq
             new = Chunk(s.next_cid, first_seq, stamped)
-            # Ranges once the resumed items are sent (those are lines).
-            fill = _fill_range if s.ranges is not None and not s._resume else _fill
+            # A resumed range is one chunk; new ranges once nothing is to resume.
+            if s._resume and isinstance(s._resume[0][1], LineRange):
+                fill = _fill_resumed_range
+            elif s.ranges is not None and not s._resume:
+                fill = _fill_range
+            else:
+                fill = _fill
             # No call from here to the append: registered whole or not at all.
             chunk = new
             s.next_cid += 1
@@ -181,6 +187,29 @@ def _keep(s: Stream, chunk: Chunk, counted: list[int]) -> None:
             elif chunk in s.pending:
                 s.pending.remove(chunk)
                 del s.by_cid[chunk.cid]
+
+
+def _fill_resumed_range(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | None:
+    """The chunk as the resumed range at the head of ``s._resume`` (in-flight
+    lines of a checkpoint, kept as a range: ``Capture``), whole: its lines
+    are read by the worker, as when it was first sent."""
+    with s.lock:  # a checkpoint reads _resume under this lock too
+        seq, lines, _ = s._resume[0]
+        n = len(lines)
+        poison = s._resume_skip
+        skip = {i for i in range(n) if seq + i in poison} if poison else set()
+        first = s._resume_skip_first
+        # No call from here to the popleft: in the chunk or still to resume.
+        chunk.skip = skip
+        if seq == first[0]:
+            chunk.skip_first = first[1]
+        chunk.items = lines
+        s._resume.popleft()
+        _count(s, chunk, counted)
+        chunk.closed = True
+        s.stats.dispatched += n
+        s.stats.range_lines += n
+    return chunk
 
 
 def _fill_range(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | None:
@@ -274,6 +303,8 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
             slice_end = t0 + LOCK_SLICE_S
             while resume and len(items) < target:
                 seq, item, stamp = resume[0]
+                if isinstance(item, LineRange):
+                    break  # a chunk of its own, next
                 if stamps is not None and stamp is None:
                     stamp = s._stamp_now()
                 # From here to the popleft no function is called: an item is
@@ -290,7 +321,8 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
             exhausted = False
             error: Exception | None = None
             try:
-                while len(items) < target:
+                # Nothing new while a resumed range is next (seqs are in order).
+                while len(items) < target and not resume:
                     # Pull in short bursts; look at the clock between them.
                     burst = min(s._burst, target - len(items))
                     if pull is not None:
@@ -332,7 +364,7 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
                     s.central_error = error
                 _count(s, chunk, counted)
                 s.stats.wait_central_s += now - t0
-                done = s.exhausted or len(items) >= target
+                done = s.exhausted or len(items) >= target or bool(resume)
                 if done or now - started > FLUSH_S:
                     if not items:
                         s.pending.remove(chunk)

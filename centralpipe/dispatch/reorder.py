@@ -199,8 +199,18 @@ class Stream(Capture):
         self._resume_skip_first = (-1, 0)
         if resume is not None:
             stamps = resume.stamps or [None] * len(resume.items)
-            for k, (item, stamp) in enumerate(zip(resume.items, stamps)):
-                self._resume.append((resume.first_seq + k, item, stamp))
+            ranges = resume.ranges
+            seq, r = resume.first_seq, 0
+            # A range of lines stays one entry (one chunk when re-sent).
+            for k, (item, stamp) in enumerate([*zip(resume.items, stamps), (None, None)]):
+                while r < len(ranges) and ranges[r][0] == k:
+                    lines = ranges[r][1]
+                    self._resume.append((seq, lines, None))
+                    seq += len(lines)
+                    r += 1
+                if k < len(resume.items):
+                    self._resume.append((seq, item, stamp))
+                    seq += 1
             self._resume_skip = set(resume.skip)
             self._resume_skip_first = (resume.first_seq, resume.skip_outputs)
         self.last_stamp = delivered_stamp if delivered_stamp is not None else stamper()

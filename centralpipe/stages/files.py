@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from time import perf_counter_ns
 from typing import IO, Any
 
@@ -294,6 +294,7 @@ class ReadLines(CentralNode[str]):
             encoding=self._encoding,
             errors=self._errors,
             stage=self.name,
+            name=self._name_of(path),
         )
         # No call between the move and the append (which moves the range
         # inside C): the lines are either still to read or in ``out``.
@@ -301,6 +302,68 @@ class ReadLines(CentralNode[str]):
         out.append(lines)
         self.items_out += count
         return True
+
+    def _name_of(self, path: str) -> str:
+        name = state_name(self.source, path)
+        assert name is not None
+        return name
+
+    def resumed_range(self, record: Sequence[Any]) -> tuple[int, LineRange]:
+        """A checkpoint's range entry ``[at, name, start, end, count, skip]``
+        (checked by :meth:`check_range`) as ``(at, the range of its in-flight
+        lines)``; ``CheckpointError`` if the file cannot be read."""
+        at, name, start, end, count, skip = record
+        path = self._resolve(name)
+        lines = LineRange(
+            os.path.abspath(path),
+            start,
+            end,
+            count,
+            encoding=self._encoding,
+            errors=self._errors,
+            stage=self.name,
+            name=name,
+        )
+        try:
+            return at, lines.after(skip)
+        except (OSError, ValueError) as exc:
+            msg = f"stage '{self.name}': cannot read the in-flight lines of {path!r}: {exc}."
+            raise CheckpointError(msg) from None
+
+    def check_range(self, record: Sequence[Any]) -> None:
+        """``FieldError``/``CheckpointError`` unless the checkpoint's range entry
+        ``[at, name, start, end, count, skip]`` is whole lines of a local file
+        this stage reads: it starts at a line start, ends after a ``\\n`` (or
+        at the end of the file) and holds ``count`` lines."""
+        _, name, start, end, count, _ = record
+        path = self._resolve(name)
+        if is_url(path):
+            raise FieldError("ranges", "ranges of local files only", name)
+        size = resumable_size(self.name, path)
+        if end > size:
+            msg = (
+                f"stage '{self.name}': {path!r} is {size} bytes but an in-flight range of the "
+                f"checkpoint ends at byte {end}; the file changed since the checkpoint."
+            )
+            raise CheckpointError(msg)
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, start - 1))
+                data = f.read(end - max(0, start - 1))
+        except OSError as exc:
+            msg = f"stage '{self.name}': cannot reopen {path!r} to resume: {exc}."
+            raise CheckpointError(msg) from None
+        body = data[1:] if start else data
+        whole = (start == 0 or data[:1] == b"\n") and (end == size or body[-1:] == b"\n")
+        lines = body.count(b"\n") + (1 if body[-1:] not in (b"\n", b"") else 0)
+        if not whole or lines != count:
+            msg = (
+                f"stage '{self.name}': the checkpoint's in-flight range of {path!r}, bytes "
+                f"{start}..{end}, is not {count} whole lines (it holds {lines}, "
+                f"{'from' if whole else 'not from'} a line start to a line end); the file "
+                "changed since the checkpoint, or the checkpoint is damaged."
+            )
+            raise CheckpointError(msg)
 
     def own_state(self) -> dict[str, Any]:
         return {PATH_KEY: state_name(self.source, self._path), OFFSET_KEY: self._offset}

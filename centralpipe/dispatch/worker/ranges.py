@@ -57,7 +57,7 @@ class LineRange(Sequence[str]):
     which begin at a line start and end after a ``\\n`` (or at the end of the
     file). Read by :meth:`read`; pickled as its fields only."""
 
-    __slots__ = ("count", "encoding", "end", "errors", "path", "stage", "start")
+    __slots__ = ("count", "encoding", "end", "errors", "name", "path", "stage", "start")
 
     def __init__(
         self,
@@ -69,6 +69,7 @@ class LineRange(Sequence[str]):
         encoding: str,
         errors: str,
         stage: str,
+        name: str = "",
     ) -> None:
         self.path = path
         self.start = start
@@ -78,10 +79,37 @@ class LineRange(Sequence[str]):
         self.errors = errors
         #: The reader stage (``read_lines``) whose lines these are.
         self.stage = stage
+        #: The file as the reader's checkpoint names it (main process only).
+        self.name = name
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (self.path, self.start, self.end, self.count, self.encoding,
                            self.errors, self.stage))  # fmt: skip
+
+    def record(self, at: int, skip: int) -> list[Any]:
+        """The checkpoint's entry of this range (``in_flight[...]["ranges"]``):
+        its lines after the first ``skip`` go before plain item ``at``."""
+        return [at, self.name, self.start, self.end, self.count, skip]
+
+    def after(self, skip: int) -> LineRange:
+        """The range of the lines after the first ``skip`` (read to find where
+        they start; ``OSError`` if the file cannot be read)."""
+        if not skip:
+            return self
+        data = self.read_bytes()
+        at = -1
+        for _ in range(skip):
+            at = data.index(b"\n", at + 1)
+        return LineRange(
+            self.path,
+            self.start + at + 1,
+            self.end,
+            self.count - skip,
+            encoding=self.encoding,
+            errors=self.errors,
+            stage=self.stage,
+            name=self.name,
+        )
 
     def __repr__(self) -> str:
         return (

@@ -40,6 +40,7 @@ LINES: list[str] = [
     "single",
 ]
 
+STAGE_NOTE = "(raised in central stage 'lines')"
 PROCESS_AND_THREAD = [
     pytest.param(w, ex, id=f"{w}w-{ex}")
     for w, ex in [*((w, "process") for w in range(4)), *((w, "thread") for w in (1, 2, 3))]
@@ -203,7 +204,7 @@ def test_a_line_that_does_not_decode_raises_naming_file_and_offset(
     assert got == ["<ok>"]
     assert info.value.reason == "invalid start byte"
     path = str(tmp_path / "a.txt")
-    assert f"(in file {path!r} at byte offset 3)" in info.value.__notes__
+    assert info.value.__notes__ == [f"(in file {path!r} at byte offset 3)", STAGE_NOTE]
 
 
 def _kill_on(line: str, *, at: str, marker: str) -> str:
@@ -461,3 +462,31 @@ def test_ranges_into_a_stage_that_reads_none_are_refused(tmp_path: Path) -> None
         theirs["in_flight"]["par"] = state["in_flight"]["par"]
         with pytest.raises(cp.CheckpointError, match=r"in_flight\['par'\].ranges must be \[\]"):
             loader.load_state_dict(theirs)
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["on", "off"])
+def test_resuming_after_a_line_that_does_not_decode_goes_on_after_it(
+    tmp_path: Path, on: bool
+) -> None:
+    """A checkpoint taken when a line failed to decode resumes after that
+    line, with the path on or off: each bad line raises once, every good line
+    is delivered once."""
+    glob = _write(tmp_path, BAD)
+    got: list[Any] = []
+    errors: list[list[str]] = []
+    state: dict[str, Any] | None = None
+    for _ in range(4):
+        with cp.Loader(_pipe(glob), _cfg(2, on=on)) as loader:
+            if state is not None:
+                loader.load_state_dict(state)
+            try:
+                got.extend(loader)
+            except UnicodeDecodeError as exc:
+                errors.append(exc.__notes__)
+            state = loader.state_dict()
+    assert got == ["<ok>", "<end>", "<next>"]
+    where = [("a.txt", 3), ("a.txt", 15), ("b.txt", 0)]
+    assert errors == [
+        [f"(in file {str(tmp_path / name)!r} at byte offset {offset})", STAGE_NOTE]
+        for name, offset in where
+    ]

@@ -47,6 +47,7 @@ class Capture:
     _resume: deque[tuple[int, Any, Any]]
     _resume_skip: set[int]
     _resume_skip_first: tuple[int, int]
+    read_failed: Chunk | None
     _cur_list: list[Any]
     _cur_it: Iterator[Any] | None
     _cur_base: int
@@ -72,6 +73,10 @@ class Capture:
         done = 0
         last = -1
         for i, n in enumerate(counts):
+            if i == chunk.raised_at and chunk is self.read_failed:
+                # A line that could not be read is consumed, as read_lines
+                # consumes it: a checkpoint resumes after it.
+                return i + 1, 0, last
             if i == chunk.raised_at or done + n > d:
                 return i, d - done, (i if d > done else last)
             done += n

@@ -46,6 +46,7 @@ from centralpipe.dispatch.worker.chain import WorkerChain
 from centralpipe.dispatch.worker.ranges import LineRange
 from centralpipe.errors import CheckpointError, WorkerError
 from centralpipe.stages import CentralNode
+from centralpipe.stages.base import add_stage_note
 
 __all__ = ["FIRST_CHUNK", "Driver", "Outputs", "Stamper", "Stream", "StreamStats"]
 
@@ -194,6 +195,8 @@ class Stream(Capture):
         self.ranges: Any = None
         #: A range the reader has handed out and ``pull`` not yet stored.
         self.took: list[Any] = []
+        #: The chunk whose line could not be read (raised as read_lines raises).
+        self.read_failed: Chunk | None = None
         self._resume: deque[tuple[int, Any, Any]] = deque()
         self._resume_skip: set[int] = set()
         self._resume_skip_first = (-1, 0)
@@ -406,8 +409,11 @@ class Stream(Capture):
             # As read_lines raises it: a central stage's error, after the
             # lines before it; the stream ends (a checkpoint resumes after it).
             chunk.raised_at = failure.at
+            self.read_failed = chunk
             self.broken = True
-            self._end_error = chunk.items.error_at(failure.at, failure.message)
+            error = chunk.items.error_at(failure.at, failure.message)
+            add_stage_note(error, chunk.items.stage)
+            self._end_error = error
             self._ending = True
             self._end()
         seq = chunk.first_seq + failure.at

@@ -193,8 +193,13 @@ def tuplify(stamp: Any) -> Any:
 def copy_state(sd: Any) -> dict[str, Any]:
     """A copy of the checkpoint's containers (items themselves are shared)."""
     out = dict(sd)
-    out["in_flight"] = {
-        name: {**flight, "items": list(flight["items"])} for name, flight in sd["in_flight"].items()
-    }
+    out["in_flight"] = {name: _copy_flight(flight) for name, flight in sd["in_flight"].items()}
     out["central"] = dict(sd["central"])
+    return out
+
+
+def _copy_flight(flight: dict[str, Any]) -> dict[str, Any]:
+    out = {**flight, "items": list(flight["items"])}
+    if "ranges" in flight:
+        out["ranges"] = [list(r) for r in flight["ranges"]]
     return out

@@ -201,6 +201,7 @@ def _check_ranges(path: str, name: str, flight: Boundary, want: Expected) -> Non
     if reader is None:
         expected = "[] (only a parallel stage reading from read_lines has ranges in flight)"
         _fail(f"{path}.ranges", expected, flight.ranges)
+        return
     for i, record in enumerate(flight.ranges):
         try:
             reader.check_range(record)

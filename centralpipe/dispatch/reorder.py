@@ -35,7 +35,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Iterator
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from centralpipe.dispatch.budget import ResultBytes
 from centralpipe.dispatch.capture import Capture
@@ -411,8 +411,9 @@ class Stream(Capture):
             chunk.raised_at = failure.at
             self.read_failed = chunk
             self.broken = True
-            error = chunk.items.error_at(failure.at, failure.message)
-            add_stage_note(error, chunk.items.stage)
+            lines = cast(LineRange, chunk.items)
+            error = lines.error_at(failure.at, failure.message)
+            add_stage_note(error, lines.stage)
             self._end_error = error
             self._ending = True
             self._end()

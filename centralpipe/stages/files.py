@@ -5,6 +5,14 @@ Each file's bytes are split on ``\\n``; a trailing ``\\r`` is stripped (so
 still a line. The state is the open path and the byte offset of the next line,
 so resuming seeks there and never re-reads what was delivered.
 
+A parallel stage after it on workers takes its lines as byte ranges
+(:meth:`ReadLines.take_range`): the stage only finds where each range ends
+and counts its lines, a worker reads and splits them
+(:mod:`centralpipe.dispatch.worker.ranges`), and the state moves past them
+as if they had been pulled one by one. A checkpoint keeps the in-flight
+lines of a range as the range; :meth:`ReadLines.check_range` and
+:meth:`ReadLines.resumed_range` check and restore it.
+
 A path taken from the source is the state (``path``, offset 0) before the
 file is opened: an interrupt (Ctrl-C) during the open leaves it for the next
 ``next()``, and a checkpoint taken then opens it on resume. A file that

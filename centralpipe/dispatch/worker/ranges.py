@@ -11,7 +11,7 @@ last line without ``\\n`` still a line), then runs the stage over those lines
 so seeds, poison items, hangs and checkpoints are per line, as without ranges.
 
 A range stands for its lines everywhere in the main process: it is a
-``Sequence[str]`` of ``count`` lines, read from the file only when a line
+``Sequence[str]`` of ``line_count`` lines, read from the file only when a line
 itself is needed (a checkpoint of in-flight lines, a chunk re-sent item by
 item, a decode error to raise).
 
@@ -53,11 +53,11 @@ def split_lines(data: bytes, encoding: str, errors: str) -> tuple[list[str], Bas
 
 
 class LineRange(Sequence[str]):
-    """``count`` lines of the local file ``path``: its bytes ``[start, end)``,
+    """``line_count`` lines of the local file ``path``: its bytes ``[start, end)``,
     which begin at a line start and end after a ``\\n`` (or at the end of the
     file). Read by :meth:`read`; pickled as its fields only."""
 
-    __slots__ = ("count", "encoding", "end", "errors", "name", "path", "stage", "start")
+    __slots__ = ("encoding", "end", "errors", "line_count", "name", "path", "stage", "start")
 
     def __init__(
         self,
@@ -74,7 +74,7 @@ class LineRange(Sequence[str]):
         self.path = path
         self.start = start
         self.end = end
-        self.count = count
+        self.line_count = count
         self.encoding = encoding
         self.errors = errors
         #: The reader stage (``read_lines``) whose lines these are.
@@ -83,13 +83,13 @@ class LineRange(Sequence[str]):
         self.name = name
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (self.path, self.start, self.end, self.count, self.encoding,
+        return (_rebuild, (self.path, self.start, self.end, self.line_count, self.encoding,
                            self.errors, self.stage))  # fmt: skip
 
     def record(self, at: int, skip: int) -> list[Any]:
         """The checkpoint's entry of this range (``in_flight[...]["ranges"]``):
         its lines after the first ``skip`` go before plain item ``at``."""
-        return [at, self.name, self.start, self.end, self.count, skip]
+        return [at, self.name, self.start, self.end, self.line_count, skip]
 
     def after(self, skip: int) -> LineRange:
         """The range of the lines after the first ``skip`` (read to find where
@@ -104,7 +104,7 @@ class LineRange(Sequence[str]):
             self.path,
             self.start + at + 1,
             self.end,
-            self.count - skip,
+            self.line_count - skip,
             encoding=self.encoding,
             errors=self.errors,
             stage=self.stage,
@@ -113,12 +113,12 @@ class LineRange(Sequence[str]):
 
     def __repr__(self) -> str:
         return (
-            f"LineRange({self.path!r}, bytes {self.start}..{self.end}, {self.count} lines, "
+            f"LineRange({self.path!r}, bytes {self.start}..{self.end}, {self.line_count} lines, "
             f"stage {self.stage!r})"
         )
 
     def __len__(self) -> int:
-        return self.count
+        return self.line_count
 
     @overload
     def __getitem__(self, index: int) -> str: ...
@@ -140,7 +140,7 @@ class LineRange(Sequence[str]):
 
     def read(self) -> tuple[list[str], str | None]:
         """The lines, up to the first one that cannot be had, and then why
-        (``None`` when all ``count`` lines were read)."""
+        (``None`` when all ``line_count`` lines were read)."""
         try:
             data = self.read_bytes()
         except OSError as exc:
@@ -148,12 +148,12 @@ class LineRange(Sequence[str]):
         lines, error = split_lines(data, self.encoding, self.errors)
         if error is not None:
             return lines, f"{type(error).__name__}: {error}"
-        if len(data) != self.end - self.start or len(lines) != self.count:
+        if len(data) != self.end - self.start or len(lines) != self.line_count:
             return [], self._changed(len(lines))
         return lines, None
 
     def lines(self) -> list[str]:
-        """All ``count`` lines, or the error of the first that cannot be had."""
+        """All ``line_count`` lines, or the error of the first that cannot be had."""
         lines, why = self.read()
         if why is not None:
             raise self.error_at(len(lines), why)
@@ -185,7 +185,7 @@ class LineRange(Sequence[str]):
     def _changed(self, got: int) -> str:
         return (
             f"{self.path!r} changed while it was read: bytes {self.start}..{self.end} held "
-            f"{self.count} lines when the range was cut, and now {got}."
+            f"{self.line_count} lines when the range was cut, and now {got}."
         )
 
 
@@ -214,6 +214,6 @@ def run_range(
         return result
     at = len(lines)
     failure = StageFailure(at, lines_of.stage, "ReadError", why, "")
-    counts = [*(result.counts or [1] * at), *([0] * (lines_of.count - at))]
+    counts = [*(result.counts or [1] * at), *([0] * (lines_of.line_count - at))]
     failures = [*(result.failures or ()), failure]
     return result._replace(counts=counts, failures=failures)

@@ -490,3 +490,34 @@ def test_resuming_after_a_line_that_does_not_decode_goes_on_after_it(
         [f"(in file {str(tmp_path / name)!r} at byte offset {offset})", STAGE_NOTE]
         for name, offset in where
     ]
+
+
+def _crash_on(line: str, *, at: str) -> str:
+    if line == at:
+        os._exit(3)
+    return _tag(line)
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_a_line_that_kills_every_worker_is_that_line_alone(tmp_path: Path, on_error: str) -> None:
+    """A poison line inside a range: with ``on_error="raise"`` the lines before
+    it are delivered, then ``WorkerError`` naming the stage and the line's
+    seq; with ``"skip"`` only that line is missing, as when lines are sent."""
+    import functools
+
+    glob = _write(tmp_path, CORPUS)
+    fn = functools.partial(_crash_on, at="line 9")
+    pipe = cp.Pipeline.from_files(glob).read_lines().map(fn, parallel=True, name="par")
+    seq = LINES.index("line 9")
+    for on in (True, False):
+        config = _cfg(2, chunk_size=8, on=on, on_error=on_error, max_restarts=10)
+        got: list[Any] = []
+        with cp.Loader(pipe, config) as loader:
+            if on_error == "skip":
+                got = list(loader)
+                assert got == [_tag(x) for x in LINES if x != "line 9"], on
+                continue
+            with pytest.raises(cp.WorkerError) as info:
+                got.extend(loader)
+        assert got == EXPECTED["map"][:seq], on
+        assert (info.value.stage, info.value.seq) == ("par", seq), on

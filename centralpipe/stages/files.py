@@ -37,6 +37,7 @@ from centralpipe.errors import CheckpointError
 from centralpipe.plan.pipeline import StageSpec
 from centralpipe.stages.base import CentralNode, RunContext
 from centralpipe.stages.fs import file_size, is_url, open_binary
+from centralpipe.stages.line_ranges import check_whole_lines, cut
 from centralpipe.stages.sources import FilesSource
 from centralpipe.validators import FieldError, checked, int_in
 
@@ -64,22 +65,6 @@ MIN_RANGE_READ = 1 << 12
 # realpath -> (size, mtime_ns, lines): counts stay valid while both are unchanged.
 _line_counts: dict[str, tuple[int, int, int]] = {}
 _line_counts_lock = threading.Lock()
-
-
-def _cut(data: bytes, max_lines: int, at_eof: bool) -> tuple[int, int]:
-    """``(bytes, lines)`` of the longest start of ``data`` (a file's bytes from
-    a line start; ``at_eof``: up to its end) that is whole lines, at most
-    ``max_lines`` of them. ``data`` holds a ``\\n`` unless ``at_eof``. In C but
-    for one step per line beyond ``max_lines`` (the reads aim at about that)."""
-    newlines = data.count(b"\n")
-    if at_eof and data[-1:] != b"\n" and newlines < max_lines:
-        return len(data), newlines + 1  # to the end: the last line has no "\n"
-    if newlines <= max_lines:
-        return data.rindex(b"\n") + 1, newlines
-    end = len(data)
-    for _ in range(newlines - max_lines + 1):  # back to the max_lines-th "\n"
-        end = data.rindex(b"\n", 0, end)
-    return end + 1, max_lines
 
 
 def count_lines(path: str | os.PathLike[str]) -> int:
@@ -291,7 +276,7 @@ class ReadLines(CentralNode[str]):
             data += more
         if not data:
             return False
-        end, count = _cut(data, max_lines, at_eof)
+        end, count = cut(data, max_lines, at_eof)
         f.seek(start + end)
         self._line_bytes = end / count
         lines = LineRange(
@@ -348,30 +333,7 @@ class ReadLines(CentralNode[str]):
         if is_url(path):
             raise FieldError("ranges", "ranges of local files only", name)
         size = resumable_size(self.name, path)
-        if end > size:
-            msg = (
-                f"stage '{self.name}': {path!r} is {size} bytes but an in-flight range of the "
-                f"checkpoint ends at byte {end}; the file changed since the checkpoint."
-            )
-            raise CheckpointError(msg)
-        try:
-            with open(path, "rb") as f:
-                f.seek(max(0, start - 1))
-                data = f.read(end - max(0, start - 1))
-        except OSError as exc:
-            msg = f"stage '{self.name}': cannot reopen {path!r} to resume: {exc}."
-            raise CheckpointError(msg) from None
-        body = data[1:] if start else data
-        whole = (start == 0 or data[:1] == b"\n") and (end == size or body[-1:] == b"\n")
-        lines = body.count(b"\n") + (1 if body[-1:] not in (b"\n", b"") else 0)
-        if not whole or lines != count:
-            msg = (
-                f"stage '{self.name}': the checkpoint's in-flight range of {path!r}, bytes "
-                f"{start}..{end}, is not {count} whole lines (it holds {lines}, "
-                f"{'from' if whole else 'not from'} a line start to a line end); the file "
-                "changed since the checkpoint, or the checkpoint is damaged."
-            )
-            raise CheckpointError(msg)
+        check_whole_lines(self.name, path, size, start, end, count)
 
     def own_state(self) -> dict[str, Any]:
         return {PATH_KEY: state_name(self.source, self._path), OFFSET_KEY: self._offset}

@@ -521,3 +521,19 @@ def test_a_line_that_kills_every_worker_is_that_line_alone(tmp_path: Path, on_er
                 got.extend(loader)
         assert got == EXPECTED["map"][:seq], on
         assert (info.value.stage, info.value.seq) == ("par", seq), on
+
+
+def test_a_count_before_read_lines_keeps_lines_sent(tmp_path: Path) -> None:
+    """A ``count`` of the paths before ``read_lines`` stamps each line as it is
+    pulled, so lines are sent (no range), with the same lines and counts."""
+    glob = _write(tmp_path, CORPUS)
+    pipe = (
+        cp.Pipeline.from_files(glob)
+        .count("paths")
+        .read_lines()
+        .map(_tag, parallel=True, name="par")
+    )
+    with cp.Loader(pipe, _cfg(2)) as loader:
+        assert list(loader) == EXPECTED["map"]
+        assert loader.query("paths") == {"items": len(CORPUS), "weight": len(CORPUS)}
+        assert loader.metrics()["par"]["parallel"]["lines_read_in_workers"] == 0

@@ -151,6 +151,14 @@ class WorkerConfig:
             be stopped), for stateful worker stages (their state would be
             split), with ``fork`` (workers start in milliseconds) or the
             thread executor.
+        read_in_workers: on by default: a parallel stage that reads straight
+            from ``read_lines`` of local files, run on workers, is sent byte
+            ranges of the files instead of lines, and each worker reads and
+            splits its range itself (lines never cross to the workers; the
+            main process only finds each range's end and counts its lines).
+            Output, errors, queries and checkpoints are the same either way,
+            and a checkpoint resumes with it on or off. ``False`` sends the
+            lines. No effect with ``num_workers=0``.
     """
 
     num_workers: int = attrs.field(default=0, validator=_int(0))
@@ -173,6 +181,7 @@ class WorkerConfig:
         default=DEFAULT_SHARED_MEMORY_BYTES, validator=_shared_memory_bytes
     )
     start_inline: bool = attrs.field(default=False, validator=_instance(bool))
+    read_in_workers: bool = attrs.field(default=True, validator=_instance(bool))
 
     def resolved_start_method(self) -> str:
         """The start method workers use: the configured one or the default."""

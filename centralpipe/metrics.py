@@ -45,6 +45,7 @@ def collect(
                 "chunk_size": seg.chunk_size,
                 "skipped": seg.skipped,
                 "items_per_worker": list(seg.items_per_worker),
+                "lines_read_in_workers": seg.range_lines,
             }
     s, w = stats, workers
     in_chunk = run.delivered_in_chunk() if run is not None else 0

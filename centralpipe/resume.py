@@ -21,7 +21,16 @@ from centralpipe.plan.pipeline import WORKER_KINDS, Pipeline
 from centralpipe.stages import CentralNode, Parallel, RunContext, Shard
 from centralpipe.stages.totals import chain_totals
 
-__all__ = ["assemble", "copy_state", "delivered", "expected", "idle_body", "plans", "tuplify"]
+__all__ = [
+    "assemble",
+    "copy_state",
+    "delivered",
+    "expected",
+    "idle_body",
+    "plans",
+    "readers",
+    "tuplify",
+]
 
 
 def idle_body(segments: Sequence[str], nodes: Sequence[CentralNode[Any]]) -> dict[str, Any]:
@@ -107,6 +116,7 @@ def expected(
             n.name: ([m for m in n.chain()[:-1] if m.stamped], n.kind == "flat_map")
             for n in segments
         },
+        readers=readers(nodes),
         stamped=[n for n in nodes if n.stamped],
         multi_output=any(WORKER_KINDS[s.kind].outputs == "any" for s in pipe.worker_stages),
         length=_central_bound(pipe, nodes, ctx),
@@ -133,9 +143,23 @@ def _pre_shard_index(stamped: Sequence[CentralNode[Any]], stamp: Any) -> int | N
     return None
 
 
-def plans(resume: dict[str, Any], boundary: str) -> dict[str, StreamPlan]:
-    """Where each stream resumes, from a (checked) checkpoint."""
-    out = {name: _plan(flight) for name, flight in resume["in_flight"].items()}
+def readers(nodes: Sequence[CentralNode[Any]]) -> dict[str, Any]:
+    """The stage each parallel stage can pull byte ranges of lines from
+    (``read_lines``: ``take_range``), by the parallel stage's name."""
+    return {
+        n.name: n.source
+        for n in nodes
+        if isinstance(n, Parallel) and callable(getattr(n.source, "take_range", None))
+    }
+
+
+def plans(
+    resume: dict[str, Any], boundary: str, readers: dict[str, Any] | None = None
+) -> dict[str, StreamPlan]:
+    """Where each stream resumes, from a (checked) checkpoint; in-flight byte
+    ranges become ranges of their in-flight lines, read by ``readers``."""
+    readers = readers or {}
+    out = {name: _plan(flight, readers.get(name)) for name, flight in resume["in_flight"].items()}
     out[boundary].delivered_stamp = tuplify(resume.get("delivered_stamp"))
     return out
 
@@ -145,13 +169,17 @@ def delivered(resume: dict[str, Any]) -> int:
     return int((resume.get("position") or {}).get("delivered") or 0)
 
 
-def _plan(flight: dict[str, Any]) -> StreamPlan:
+def _plan(flight: dict[str, Any], reader: Any) -> StreamPlan:
+    records = flight.get("ranges") or ()
+    # check_pipeline refused ranges for a stage that reads none.
+    ranges = [reader.resumed_range(r) for r in records] if records else []
     resume = InFlight(
         flight["first_seq"],
         list(flight["items"]),
         None if flight.get("stamps") is None else list(flight["stamps"]),
         flight["skip_outputs"],
         flight["skip"],
+        ranges,
     )
     return StreamPlan(flight["next_seq"], resume, tuplify(flight.get("delivered_stamp")))
 
@@ -165,8 +193,13 @@ def tuplify(stamp: Any) -> Any:
 def copy_state(sd: Any) -> dict[str, Any]:
     """A copy of the checkpoint's containers (items themselves are shared)."""
     out = dict(sd)
-    out["in_flight"] = {
-        name: {**flight, "items": list(flight["items"])} for name, flight in sd["in_flight"].items()
-    }
+    out["in_flight"] = {name: _copy_flight(flight) for name, flight in sd["in_flight"].items()}
     out["central"] = dict(sd["central"])
+    return out
+
+
+def _copy_flight(flight: dict[str, Any]) -> dict[str, Any]:
+    out = {**flight, "items": list(flight["items"])}
+    if "ranges" in flight:
+        out["ranges"] = [list(r) for r in flight["ranges"]]
     return out

@@ -15,9 +15,12 @@ chain-lock bound is lowered so a lock left held fails fast, not hangs).
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +46,10 @@ def _times2(x: int) -> int:
     return 2 * x
 
 
+def _line_times2(line: str) -> int:
+    return 2 * int(line)
+
+
 def _same(batch: list[int]) -> list[int]:
     return batch
 
@@ -57,11 +64,29 @@ KINDS = {
     ),
     "workers": (2, lambda p: p.dispatch().map(_times2)),
     "parallel": (2, lambda p: p.map(_times2, parallel=True).dispatch()),
+    # Lines of files sent as byte ranges the workers read (read_in_workers),
+    # cut in the caller's thread (no stage after dispatch: no feeder).
+    "ranges": (2, lambda p: p.read_lines().map(_line_times2, parallel=True)),
 }
 SOURCE = "source"
+#: The files "ranges" reads: the lines "0" ... "N-1", in three files.
+_LINES_DIR: list[str] = []
+
+
+def _lines_glob() -> str:
+    if not _LINES_DIR:
+        root = tempfile.mkdtemp(prefix="centralpipe-signals-")
+        atexit.register(shutil.rmtree, root, True)
+        for i, part in enumerate((range(0, 70), range(70, 71), range(71, N))):
+            with open(os.path.join(root, f"{i}.txt"), "w") as f:
+                f.writelines(f"{x}\n" for x in part)
+        _LINES_DIR.append(root)
+    return os.path.join(_LINES_DIR[0], "*.txt")
 
 
 def _pipe(kind: str) -> cp.Pipeline:
+    if kind == "ranges":
+        return KINDS[kind][1](cp.Pipeline.from_files(_lines_glob(), name=SOURCE))
     return KINDS[kind][1](cp.Pipeline.from_iterable(range(N)))
 
 

@@ -49,6 +49,10 @@ class Expected:
     #: Parallel central stages (boundaries besides ``tip``): the stamped
     #: stages before each, and whether it can make several outputs per input.
     segments: dict[str, tuple[list[Any], bool]] = attrs.field(factory=dict)
+    #: The reader each parallel stage pulls byte ranges from (``read_lines``:
+    #: ``check_range``), by stage name; ``None``: not known (``merge_states``),
+    #: ranges are then checked by the loader that loads the merged state.
+    readers: dict[str, Any] | None = None
 
 
 def _fail(path: str, expected: str, got: Any) -> None:
@@ -140,6 +144,8 @@ def _check_boundary(
     else:
         stamped_nodes, multi = segment
         delivered, delivered_path = flight.delivered_stamp, f"{path}.delivered_stamp"
+    if flight.ranges:
+        _check_ranges(path, name, flight, want)
     if flight.skip_outputs and not multi:
         makes = "the worker stages make" if segment is None else "the parallel stage makes"
         expected = f"0 ({makes} at most one output per input)"
@@ -184,6 +190,23 @@ def _check_boundary(
                 expected = f"between {previous[i]} and the stage's {now[i]}"
                 _fail(f"{where}[{i}]", expected, entry)
             previous[i] = value
+
+
+def _check_ranges(path: str, name: str, flight: Boundary, want: Expected) -> None:
+    """In-flight byte ranges belong to a parallel stage reading from
+    ``read_lines``, and are whole lines of its files as they are now."""
+    if want.readers is None:
+        return
+    reader = want.readers.get(name)
+    if reader is None:
+        expected = "[] (only a parallel stage reading from read_lines has ranges in flight)"
+        _fail(f"{path}.ranges", expected, flight.ranges)
+        return
+    for i, record in enumerate(flight.ranges):
+        try:
+            reader.check_range(record)
+        except FieldError as exc:
+            _fail(f"{path}.ranges[{i}]", exc.expected, exc.value)
 
 
 def _stamp_value(kind: str, state: Any) -> int:

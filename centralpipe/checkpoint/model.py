@@ -13,7 +13,9 @@ items hold), safe for ``torch.save`` and ``torch.distributed.checkpoint``::
           "next_seq": int,                         # next index at the boundary
           "first_seq": int, "items": [...],        # dispatched, not delivered
           "stamps": [...] | None, "skip_outputs": int, "skip": [seq, ...],
-          "delivered_stamp": [...] | None}},       # parallel stages: as of their last output
+          "delivered_stamp": [...] | None,         # parallel stages: as of their last output
+          "ranges": [[at, file, start, end, lines, skip], ...]}},  # optional: lines in flight
+                                                   # as byte ranges (after read_lines)
       "delivered_stamp": [...] | None,             # count/shard totals as delivered
       "position": {"pre_shard_index": int | None},
     }
@@ -40,7 +42,7 @@ from typing import Any, TypeVar, cast
 import attrs
 import cattrs
 from attrs import validators as v
-from cattrs.gen import make_dict_structure_fn
+from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn
 
 from centralpipe.errors import CheckpointError
 from centralpipe.validators import NUMBER, FieldError, checked, int_in, sequence_of, short_repr
@@ -119,6 +121,23 @@ class Position:
     delivered: int = attrs.field(default=0, validator=_count())
 
 
+def _is_range(_inst: Any, _attr: attrs.Attribute[Any], value: Any) -> None:
+    # [at, file name, start byte, end byte, lines, lines before the in-flight ones]
+    if not isinstance(value, (list, tuple)) or len(value) != 6:
+        raise TypeError(value)
+    at, name, start, end, count, skip = value
+    for n in (at, start, end, count, skip):
+        int_in(0, INT64_END)(_inst, _attr, n)
+    if not isinstance(name, str) or not name or not start < end or not skip < count:
+        raise ValueError(value)
+
+
+RANGE_TEXT = (
+    "a list of [at, file, start, end, lines, skip] (ints >= 0 but the file's name; "
+    "start < end, skip < lines)"
+)
+
+
 @attrs.frozen(kw_only=True)
 class Boundary:
     """The inputs sent across one boundary (e.g. ``dispatch``) and not yet
@@ -141,11 +160,31 @@ class Boundary:
     delivered_stamp: list[Any] | None = attrs.field(
         default=None, validator=checked(FieldError, f"None or {STAMP_TEXT}", v.optional(STAMP))
     )
+    #: In-flight lines of a parallel stage reading from ``read_lines``, as
+    #: byte ranges of their files (never sent as lines): ``[at, file, start,
+    #: end, lines, skip]``: the range's lines after its first ``skip`` come
+    #: before ``items[at]`` (or after the last item). Absent when empty.
+    ranges: list[Any] = attrs.field(
+        factory=list, validator=checked(FieldError, RANGE_TEXT, sequence_of(_is_range))
+    )
 
     def __attrs_post_init__(self) -> None:
         n = len(self.items)
-        if self.first_seq + n != self.next_seq:
-            expected = f"first_seq + len(items) = {self.first_seq} + {n} = {self.first_seq + n}"
+        ats = [r[0] for r in self.ranges]
+        if ats != sorted(ats) or any(at > n for at in ats):
+            expected = f"ranges in order, each 'at' <= len(items) ({n})"
+            raise FieldError("ranges", expected, self.ranges)
+        if self.ranges and self.stamps is not None:
+            raise FieldError("ranges", "[] when items carry stamps", self.ranges)
+        lines = sum(r[4] - r[5] for r in self.ranges)
+        if self.first_seq + n + lines != self.next_seq:
+            total = self.first_seq + n + lines
+            expected = f"first_seq + len(items) = {self.first_seq} + {n} = {total}"
+            if lines:
+                expected = (
+                    f"first_seq + len(items) + in-flight lines of ranges = "
+                    f"{self.first_seq} + {n} + {lines} = {total}"
+                )
             raise FieldError("next_seq", expected, self.next_seq)
         if self.stamps is not None and len(self.stamps) != n:
             raise FieldError("stamps", f"None or one stamp per item ({n})", self.stamps)
@@ -153,6 +192,7 @@ class Boundary:
         if bad or len(set(self.skip)) != len(self.skip):
             expected = f"distinct seqs of in-flight items, in [{self.first_seq}, {self.next_seq})"
             raise FieldError("skip", expected, self.skip)
+        n += lines
         if self.skip_outputs and not n:
             raise FieldError("skip_outputs", "0 when no item is in flight", self.skip_outputs)
 
@@ -233,6 +273,15 @@ def _make_converter() -> cattrs.Converter:
     conv.register_unstructure_hook_func(
         lambda tp: not attrs.has(tp) and tp != dict[str, Boundary], lambda value: value
     )
+    boundary = make_dict_unstructure_fn(Boundary, conv)
+
+    def boundary_wire(value: Boundary) -> dict[str, Any]:
+        out: dict[str, Any] = boundary(value)
+        if not out["ranges"]:
+            del out["ranges"]  # present only when some lines are in flight as ranges
+        return out
+
+    conv.register_unstructure_hook(Boundary, boundary_wire)
     return conv
 
 

@@ -67,6 +67,8 @@ Main process, one pass of the Loader:
 - ``worker.loop`` [worker] the worker loop, for a process or a thread.
 - ``worker.chain`` [worker] the worker stages run over one chunk (in a worker
   or inline).
+- ``worker.ranges`` [worker] byte ranges of a file that a worker reads and
+  splits into lines as ``read_lines`` does, for the parallel stage after it.
 
 The concurrency story
 ---------------------

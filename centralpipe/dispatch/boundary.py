@@ -65,8 +65,10 @@ class Run:
         pinner: Any = None,
         chain_lock: threading.RLock | None = None,
         warm: WarmStart | None = None,
+        read_in_workers: bool = True,
     ) -> None:
         self.nodes = list(nodes)
+        self._read_in_workers = read_in_workers
         self.segments = [n for n in nodes if isinstance(n, Parallel)]
         self.session: Session | None = None
         self.feeder: FeederDriver | None = None
@@ -142,6 +144,8 @@ class Run:
             stream.held = session.held
         for stream in self.segment_streams:
             stream.driver = SegmentDriver(stream, session)
+            if self._read_in_workers:
+                stream.ranges = _range_reader(stream)
         if self.stream.chain.specs and self.feeder is None:
             self.feeder = FeederDriver(self.stream, session)
 
@@ -276,6 +280,16 @@ class Run:
         for stream in streams:
             stream.stop()
         self.stop_session()
+
+
+def _range_reader(stream: Stream) -> Any:
+    """The stage whose lines ``stream`` pulls as ranges for the workers to
+    read (``take_range``: ``read_lines``), or ``None``. Not when stages
+    before it are stamped (a ``count`` of the paths): each line's stamp is
+    taken as it is pulled."""
+    if stream.stamped_nodes():
+        return None
+    return stream.tip if callable(getattr(stream.tip, "take_range", None)) else None
 
 
 def idle_worker_states(pool: Executor, stats: StreamStats) -> list[dict[str, Any]]:

@@ -5,7 +5,9 @@ that reads a stream's position for ``state_dict()``: under both locks
 (:meth:`Capture.reading`), the next ``seq``, the inputs pulled but not yet
 delivered (from the pending chunks and the resumed items not yet re-sent),
 how many outputs of the first of them were delivered, and the count/shard
-stamp as of the last delivered output. It only reads the stream's
+stamp as of the last delivered output. Lines that workers read from byte
+ranges (``dispatch.worker.ranges``) stay ranges: ``[at, file, start, end,
+lines, skip]``, never read here. It only reads the stream's
 bookkeeping; the invariants it relies on are in
 :mod:`centralpipe.dispatch.reorder`.
 """
@@ -20,6 +22,7 @@ from typing import Any
 
 from centralpipe.dispatch.guard import Holding
 from centralpipe.dispatch.wire.protocol import Chunk
+from centralpipe.dispatch.worker.ranges import LineRange
 from centralpipe.stages import CentralNode
 
 __all__ = ["Capture"]
@@ -44,6 +47,7 @@ class Capture:
     _resume: deque[tuple[int, Any, Any]]
     _resume_skip: set[int]
     _resume_skip_first: tuple[int, int]
+    read_failed: Chunk | None
     _cur_list: list[Any]
     _cur_it: Iterator[Any] | None
     _cur_base: int
@@ -69,6 +73,10 @@ class Capture:
         done = 0
         last = -1
         for i, n in enumerate(counts):
+            if i == chunk.raised_at and chunk is self.read_failed:
+                # A line that could not be read is consumed, as read_lines
+                # consumes it: a checkpoint resumes after it.
+                return i + 1, 0, last
             if i == chunk.raised_at or done + n > d:
                 return i, d - done, (i if d > done else last)
             done += n
@@ -96,6 +104,7 @@ class Capture:
         """:meth:`capture` for a caller that holds the lock of the stream
         downstream (a parallel stage's stream is only changed under it)."""
         items: list[Any] = []
+        ranges: list[list[Any]] = []  # lines read by workers stay byte ranges
         stamps: list[Any] | None = [] if self._stamped else None
         skip: list[int] = []
         first_seq = self.next_seq
@@ -115,7 +124,11 @@ class Capture:
                 first = False
                 if chunk.skip_first and j == 0:
                     skip_outputs += chunk.skip_first
-            items.extend(chunk.items[start:])
+            if isinstance(chunk.items, LineRange):
+                if start < len(chunk.items):
+                    ranges.append(chunk.items.record(len(items), start))
+            else:
+                items.extend(chunk.items[start:])
             if stamps is not None and chunk.stamps is not None:
                 stamps.extend(chunk.stamps[start:])
             skip.extend(chunk.first_seq + i for i in chunk.skip if i >= start)
@@ -123,6 +136,10 @@ class Capture:
             if first:
                 first_seq = self._resume[0][0]
             for seq, item, stamp in self._resume:
+                if isinstance(item, LineRange):
+                    ranges.append(item.record(len(items), 0))
+                    skip.extend(x for x in range(seq, seq + len(item)) if x in self._resume_skip)
+                    continue
                 items.append(item)
                 if stamps is not None:
                     stamps.append(stamp)
@@ -132,15 +149,18 @@ class Capture:
                 skip_outputs = self._resume_skip_first[1]
         if self.finished:
             delivered_stamp = self._stamp_now()
+        in_flight = {
+            "first_seq": first_seq,
+            "items": items,
+            "stamps": stamps,
+            "skip_outputs": skip_outputs,
+            "skip": skip,
+        }
+        if ranges:
+            in_flight["ranges"] = ranges
         return {
             "next_seq": self.next_seq,
-            "in_flight": {
-                "first_seq": first_seq,
-                "items": items,
-                "stamps": stamps,
-                "skip_outputs": skip_outputs,
-                "skip": skip,
-            },
+            "in_flight": in_flight,
             "delivered_stamp": delivered_stamp,
             "finished": self.finished,
             "delivered": self.delivered

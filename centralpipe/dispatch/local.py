@@ -125,7 +125,7 @@ class LocalCentral:
                 epoch = self.epoch
                 run = self._make_run(
                     epoch=epoch,
-                    plans=resume.plans(pending, self._boundary),
+                    plans=resume.plans(pending, self._boundary, resume.readers(self._nodes)),
                     delivered=resume.delivered(pending),
                 )
             else:
@@ -197,6 +197,7 @@ class LocalCentral:
             pinner=self._res.pinner,
             chain_lock=self._res.chain_lock,
             warm=warm,
+            read_in_workers=w.read_in_workers,
         )
 
     def _warm_start(self) -> WarmStart | None:

@@ -9,6 +9,11 @@ adapts to the measured cost of the worker stages (:func:`target_chunk`), and
 a chunk is pulled only when a whole one fits in the buffer
 (:func:`has_room`).
 
+A parallel stage that reads straight from ``read_lines`` on workers pulls
+each chunk as one range of lines instead (:func:`_fill_range`; see
+:mod:`centralpipe.dispatch.worker.ranges`): its lines are read by the
+worker, and its seqs and the reader's position are those of the lines.
+
 A Ctrl-C (any ``BaseException`` that is not an ``Exception``) from the
 chain is not a stage's failure: the items pulled so far stay in the chunk,
 closed, and it is re-raised at once (:func:`pull_chunk`).
@@ -17,10 +22,12 @@ closed, and it is re-raised at once (:func:`pull_chunk`).
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from centralpipe.dispatch.reorder import FIRST_CHUNK, Stream
 from centralpipe.dispatch.supervisor import POLL_S
 from centralpipe.dispatch.wire.protocol import Chunk
+from centralpipe.dispatch.worker.ranges import LineRange
 
 __all__ = [
     "FLUSH_S",
@@ -114,12 +121,19 @@ def pull_chunk(s: Stream) -> Chunk | None:
                 target = max(1, min(target, s.buffer_size - s.in_flight))
             first_seq = s._resume[0][0] if s._resume else s.next_seq
             new = Chunk(s.next_cid, first_seq, stamped)
+            # A resumed range is one chunk; new ranges once nothing is to resume.
+            if s._resume and isinstance(s._resume[0][1], LineRange):
+                fill = _fill_resumed_range
+            elif s.ranges is not None and not s._resume:
+                fill = _fill_range
+            else:
+                fill = _fill
             # No call from here to the append: registered whole or not at all.
             chunk = new
             s.next_cid += 1
             s.by_cid[new.cid] = new
             s.pending.append(new)
-        return _fill(s, new, target, counted)
+        return fill(s, new, target, counted)
     except BaseException:
         if chunk is not None:
             _keep(s, chunk, counted)
@@ -144,6 +158,11 @@ def _keep(s: Stream, chunk: Chunk, counted: list[int]) -> None:
     """The chunk being filled was cut short (Ctrl-C, or a bug of ours): keep
     what it holds as a closed chunk, or drop it if empty. No stage has moved
     since its last item was pulled, so a missing stamp is taken now."""
+    took = s.took
+    if took and not chunk.items:
+        # Cut between the reader's hand-out of a range and its store.
+        chunk.items = took[0]
+    s.took = []
     stamps = chunk.stamps
     try:
         if stamps is not None and len(stamps) < len(chunk.items):
@@ -168,6 +187,88 @@ def _keep(s: Stream, chunk: Chunk, counted: list[int]) -> None:
             elif chunk in s.pending:
                 s.pending.remove(chunk)
                 del s.by_cid[chunk.cid]
+
+
+def _fill_resumed_range(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | None:
+    """The chunk as the resumed range at the head of ``s._resume`` (in-flight
+    lines of a checkpoint, kept as a range: ``Capture``), whole: its lines
+    are read by the worker, as when it was first sent."""
+    with s.lock:  # a checkpoint reads _resume under this lock too
+        seq, lines, _ = s._resume[0]
+        n = len(lines)
+        poison = s._resume_skip
+        skip = {i for i in range(n) if seq + i in poison} if poison else set()
+        first = s._resume_skip_first
+        # No call from here to the popleft: in the chunk or still to resume.
+        chunk.skip = skip
+        if seq == first[0]:
+            chunk.skip_first = first[1]
+        chunk.items = lines
+        s._resume.popleft()
+        _count(s, chunk, counted)
+        chunk.closed = True
+        s.stats.dispatched += n
+        s.stats.range_lines += n
+    return chunk
+
+
+def _fill_range(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | None:
+    """The chunk as one range of the reader ``s.ranges``: up to ``target``
+    lines that a worker reads (``ReadLines.take_range``), in one call of the
+    central chain. The range is handed out into ``s.took`` and stored as the
+    chunk's items with no call in between; :func:`_keep` finishes a store
+    that an interrupt cut short."""
+    reader = s.ranges
+    chain_lock = s.chain_lock
+    while True:
+        if s._readers:
+            time.sleep(0)  # let a waiting state_dict()/query() take the lock first
+        try:
+            acquired = chain_lock.acquire(timeout=POLL_S)
+            if not acquired:
+                if s.stopping:
+                    break
+                continue
+            if s.stopping:
+                break
+            t0 = time.perf_counter()
+            exhausted = False
+            error: Exception | None = None
+            took: list[Any] = []
+            s.took = took
+            try:
+                reader.take_range(took, target)
+            except StopIteration:
+                exhausted = True
+            except Exception as exc:  # the reader failed (an unreadable file)
+                error = exc
+                exhausted = True
+            if took:
+                chunk.items = took[0]
+            s.took = []
+            now = time.perf_counter()
+            with s.lock:
+                if exhausted:
+                    s.exhausted = True
+                    s.central_error = error
+                _count(s, chunk, counted)
+                s.stats.wait_central_s += now - t0
+                if not chunk.items:
+                    s.pending.remove(chunk)
+                    del s.by_cid[chunk.cid]
+                    return None
+                chunk.closed = True
+                n = len(chunk.items)
+                s.stats.dispatched += n
+                if not isinstance(chunk.items, list):  # a range, not lines of a remote file
+                    s.stats.range_lines += n
+                return chunk
+        finally:
+            try:
+                chain_lock.release()
+            except RuntimeError:  # not taken (timed out, or interrupted in the wait)
+                pass
+    return None  # stopping: the chunk stays in pending (the run is abandoned)
 
 
 def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | None:
@@ -202,6 +303,8 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
             slice_end = t0 + LOCK_SLICE_S
             while resume and len(items) < target:
                 seq, item, stamp = resume[0]
+                if isinstance(item, LineRange):
+                    break  # a chunk of its own, next
                 if stamps is not None and stamp is None:
                     stamp = s._stamp_now()
                 # From here to the popleft no function is called: an item is
@@ -218,7 +321,8 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
             exhausted = False
             error: Exception | None = None
             try:
-                while len(items) < target:
+                # Nothing new while a resumed range is next (seqs are in order).
+                while len(items) < target and not resume:
                     # Pull in short bursts; look at the clock between them.
                     burst = min(s._burst, target - len(items))
                     if pull is not None:
@@ -260,7 +364,7 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
                     s.central_error = error
                 _count(s, chunk, counted)
                 s.stats.wait_central_s += now - t0
-                done = s.exhausted or len(items) >= target
+                done = s.exhausted or len(items) >= target or bool(resume)
                 if done or now - started > FLUSH_S:
                     if not items:
                         s.pending.remove(chunk)

@@ -35,7 +35,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Iterator
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from centralpipe.dispatch.budget import ResultBytes
 from centralpipe.dispatch.capture import Capture
@@ -43,8 +43,10 @@ from centralpipe.dispatch.guard import Wake, new_chain_lock
 from centralpipe.dispatch.stamps import Stamper
 from centralpipe.dispatch.wire.protocol import Chunk, ChunkResult, InFlight, StageFailure
 from centralpipe.dispatch.worker.chain import WorkerChain
+from centralpipe.dispatch.worker.ranges import LineRange
 from centralpipe.errors import CheckpointError, WorkerError
 from centralpipe.stages import CentralNode
+from centralpipe.stages.base import add_stage_note
 
 __all__ = ["FIRST_CHUNK", "Driver", "Outputs", "Stamper", "Stream", "StreamStats"]
 
@@ -109,7 +111,15 @@ class StreamStats:
         #: Items whose worker stages the main process ran while the workers
         #: started (``dispatch.warm``).
         self.inline_items = 0
+        #: Lines sent as byte ranges that the workers read (``dispatch.worker.ranges``).
+        self.range_lines = 0
         self.chunk_size = FIRST_CHUNK
+
+
+def _is_read_failure(chunk: Chunk, failure: StageFailure) -> bool:
+    """``failure`` is a line of the chunk's range that could not be read."""
+    items = chunk.items
+    return isinstance(items, LineRange) and failure.stage == items.stage
 
 
 class Stream(Capture):
@@ -180,13 +190,30 @@ class Stream(Capture):
         self._readers = 0
         self._readers_lock = threading.Lock()  # += on an int is not atomic
         self._stamped = stamper.stamped
+        #: The reader whose lines this stream pulls as ranges that workers
+        #: read (``ReadLines.take_range``), or ``None``; set by the run.
+        self.ranges: Any = None
+        #: A range the reader has handed out and ``pull`` not yet stored.
+        self.took: list[Any] = []
+        #: The chunk whose line could not be read (raised as read_lines raises).
+        self.read_failed: Chunk | None = None
         self._resume: deque[tuple[int, Any, Any]] = deque()
         self._resume_skip: set[int] = set()
         self._resume_skip_first = (-1, 0)
         if resume is not None:
             stamps = resume.stamps or [None] * len(resume.items)
-            for k, (item, stamp) in enumerate(zip(resume.items, stamps)):
-                self._resume.append((resume.first_seq + k, item, stamp))
+            ranges = resume.ranges
+            seq, r = resume.first_seq, 0
+            # A range of lines stays one entry (one chunk when re-sent).
+            for k, (item, stamp) in enumerate([*zip(resume.items, stamps), (None, None)]):
+                while r < len(ranges) and ranges[r][0] == k:
+                    lines = ranges[r][1]
+                    self._resume.append((seq, lines, None))
+                    seq += len(lines)
+                    r += 1
+                if k < len(resume.items):
+                    self._resume.append((seq, item, stamp))
+                    seq += 1
             self._resume_skip = set(resume.skip)
             self._resume_skip_first = (resume.first_seq, resume.skip_outputs)
         self.last_stamp = delivered_stamp if delivered_stamp is not None else stamper()
@@ -246,7 +273,12 @@ class Stream(Capture):
             counts = [max(0, counts[0] - k), *counts[1:]]
             result = result._replace(outputs=result.outputs[k:], counts=counts)
         if result.failures and self.on_error == "skip":
+            # A range's line that cannot be read is the reader's failure (as
+            # read_lines raises it), not the worker stage's: never skipped.
+            kept = [f for f in result.failures if _is_read_failure(chunk, f)]
             for failure in result.failures:
+                if _is_read_failure(chunk, failure):
+                    continue
                 self.stats.skipped += 1
                 seq = chunk.first_seq + failure.at
                 if failure.text:
@@ -259,7 +291,9 @@ class Stream(Capture):
                     failure.exc_type,
                     failure.message,
                 )
-            result = result._replace(failures=None, counts=result.counts or [1] * len(chunk.items))
+            result = result._replace(
+                failures=kept or None, counts=result.counts or [1] * len(chunk.items)
+            )
         if self.pinner is not None and result.outputs:
             chunk.pinned = self.pinner.submit(result.outputs)
         return result
@@ -371,6 +405,18 @@ class Stream(Capture):
             return _END
         if self.stopping:  # stop() ended the chunk: superseded
             return _END
+        if _is_read_failure(chunk, failure):
+            # As read_lines raises it: a central stage's error, after the
+            # lines before it; the stream ends (a checkpoint resumes after it).
+            chunk.raised_at = failure.at
+            self.read_failed = chunk
+            self.broken = True
+            lines = cast(LineRange, chunk.items)
+            error = lines.error_at(failure.at, failure.message)
+            add_stage_note(error, lines.stage)
+            self._end_error = error
+            self._ending = True
+            self._end()
         seq = chunk.first_seq + failure.at
         msg = failure.text or (
             f"worker stage '{failure.stage}' raised {failure.exc_type} on item seq {seq}: "

@@ -37,6 +37,7 @@ from centralpipe.dispatch.supervisor import POLL_S, Session
 from centralpipe.dispatch.wire import protocol
 from centralpipe.dispatch.wire.protocol import Chunk, ChunkResult, StageFailure
 from centralpipe.dispatch.worker.loop import result_message, run_received
+from centralpipe.dispatch.worker.ranges import LineRange, run_range
 
 __all__ = [
     "FIRST_CHUNK",
@@ -230,7 +231,12 @@ class InlineDriver(Driver):
             if pulled is None:
                 return None
             chunk = pulled
-        if s.chain.specs and self.as_worker:
+        if isinstance(chunk.items, LineRange):  # resumed in-flight lines of a range
+            result = run_range(
+                s.chain, chunk.items, s.epoch, chunk.first_seq, run_skip(chunk), None, 0,
+                s.rng_key(chunk),
+            )  # fmt: skip
+        elif s.chain.specs and self.as_worker:
             result = run_as_worker(s, chunk)
         elif s.chain.specs:
             # The worker stages get a copy, as a worker would: a stage that

@@ -5,6 +5,14 @@ Each file's bytes are split on ``\\n``; a trailing ``\\r`` is stripped (so
 still a line. The state is the open path and the byte offset of the next line,
 so resuming seeks there and never re-reads what was delivered.
 
+A parallel stage after it on workers takes its lines as byte ranges
+(:meth:`ReadLines.take_range`): the stage only finds where each range ends
+and counts its lines, a worker reads and splits them
+(:mod:`centralpipe.dispatch.worker.ranges`), and the state moves past them
+as if they had been pulled one by one. A checkpoint keeps the in-flight
+lines of a range as the range; :meth:`ReadLines.check_range` and
+:meth:`ReadLines.resumed_range` check and restore it.
+
 A path taken from the source is the state (``path``, offset 0) before the
 file is opened: an interrupt (Ctrl-C) during the open leaves it for the next
 ``next()``, and a checkpoint taken then opens it on resume. A file that
@@ -16,17 +24,20 @@ from __future__ import annotations
 import os
 import stat
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from time import perf_counter_ns
 from typing import IO, Any
 
 import attrs
 from attrs import validators as v
 from torchdata.nodes import BaseNode
 
+from centralpipe.dispatch.worker.ranges import LineRange
 from centralpipe.errors import CheckpointError
 from centralpipe.plan.pipeline import StageSpec
 from centralpipe.stages.base import CentralNode, RunContext
 from centralpipe.stages.fs import file_size, is_url, open_binary
+from centralpipe.stages.line_ranges import check_whole_lines, cut
 from centralpipe.stages.sources import FilesSource
 from centralpipe.validators import FieldError, checked, int_in
 
@@ -43,6 +54,13 @@ __all__ = [
 PATH_KEY = "path"
 OFFSET_KEY = "offset"
 COUNT_CHUNK_BYTES = 1 << 20
+#: Most bytes in one range a worker reads (``take_range``): a range holds at
+#: most a chunk of lines (the adaptive chunk size, bounded by the buffer), and
+#: at most this many bytes, so a file of long lines is not read as one
+#: message's worth of work; a single longer line is one range.
+RANGE_BYTES = 1 << 20
+#: The least read for a range: one read, not several, for short chunks.
+MIN_RANGE_READ = 1 << 12
 
 # realpath -> (size, mtime_ns, lines): counts stay valid while both are unchanged.
 _line_counts: dict[str, tuple[int, int, int]] = {}
@@ -167,6 +185,8 @@ class ReadLines(CentralNode[str]):
         self._path: str | None = None
         self._offset = 0
         self._file: IO[bytes] | None = None
+        #: Bytes per line of the last range: how much to read for the next.
+        self._line_bytes = 64.0
 
     def produce(self) -> str:
         while True:
@@ -197,6 +217,123 @@ class ReadLines(CentralNode[str]):
             except UnicodeDecodeError as exc:
                 exc.add_note(f"(in file {self._path!r} at byte offset {offset})")
                 raise
+
+    def take_range(self, out: list[Any], max_lines: int) -> None:
+        """Append the next at most ``max_lines`` lines to ``out`` as one
+        sequence: a :class:`~centralpipe.dispatch.worker.ranges.LineRange` (a
+        local file's byte range aligned to line starts, which a worker reads
+        and splits as :meth:`produce` would), or a list of the lines of a
+        file read through fsspec (those are read here). ``StopIteration`` at
+        the end of the epoch. The stage's position moves past the lines as if
+        they had been pulled one by one: the state is the same, so a
+        checkpoint resumes with or without ranges.
+
+        The bytes of the range are read here only to find its end (the
+        first line start after ``max_lines`` lines or ``RANGE_BYTES``) and to
+        count its lines, in C; no line is split or decoded here."""
+        start_ns = perf_counter_ns()
+        try:
+            while True:
+                if self._file is None:
+                    if self._path is None:
+                        assert self.source is not None
+                        self._path = os.fspath(next(self.source))
+                        self._offset = 0
+                    try:
+                        self._open(self._path, self._offset)
+                    except BaseException as exc:
+                        if isinstance(exc, Exception):  # not interrupted: this file is skipped
+                            self._path, self._offset = None, 0
+                        raise
+                assert self._file is not None and self._path is not None
+                if is_url(self._path):
+                    lines: list[str] = []
+                    out.append(lines)  # first: lines pulled stay pulled whatever is raised
+                    try:
+                        self.produce_into(lines, max_lines)
+                    finally:
+                        self.items_out += len(lines)
+                    return
+                if self._append_range(out, max_lines):
+                    return
+                self._close()
+        finally:
+            self.busy_ns += perf_counter_ns() - start_ns
+
+    def _append_range(self, out: list[Any], max_lines: int) -> bool:
+        """The next range of the open local file onto ``out``; ``False`` at its end."""
+        f, path, start = self._file, self._path, self._offset
+        assert f is not None and path is not None
+        size = min(RANGE_BYTES, max(MIN_RANGE_READ, int(max_lines * self._line_bytes)))
+        # From the position, not from where the file is: a read cut short by
+        # an interrupt (Ctrl-C) has moved the file but not the position.
+        f.seek(start)
+        data = f.read(size)
+        at_eof = len(data) < size
+        while not at_eof and b"\n" not in data:  # one line longer than what was read
+            more = f.read(size)
+            at_eof = len(more) < size
+            data += more
+        if not data:
+            return False
+        end, count = cut(data, max_lines, at_eof)
+        f.seek(start + end)
+        self._line_bytes = end / count
+        lines = LineRange(
+            os.path.abspath(path),
+            start,
+            start + end,
+            count,
+            encoding=self._encoding,
+            errors=self._errors,
+            stage=self.name,
+            name=self._name_of(path),
+        )
+        # No call between the move and the append (which moves the range
+        # inside C): the lines are either still to read or in ``out``.
+        self._offset = start + end
+        out.append(lines)
+        self.items_out += count
+        return True
+
+    def _name_of(self, path: str) -> str:
+        name = state_name(self.source, path)
+        assert name is not None
+        return name
+
+    def resumed_range(self, record: Sequence[Any]) -> tuple[int, LineRange]:
+        """A checkpoint's range entry ``[at, name, start, end, count, skip]``
+        (checked by :meth:`check_range`) as ``(at, the range of its in-flight
+        lines)``; ``CheckpointError`` if the file cannot be read."""
+        at, name, start, end, count, skip = record
+        path = self._resolve(name)
+        lines = LineRange(
+            os.path.abspath(path),
+            start,
+            end,
+            count,
+            encoding=self._encoding,
+            errors=self._errors,
+            stage=self.name,
+            name=name,
+        )
+        try:
+            return at, lines.after(skip)
+        except (OSError, ValueError) as exc:
+            msg = f"stage '{self.name}': cannot read the in-flight lines of {path!r}: {exc}."
+            raise CheckpointError(msg) from None
+
+    def check_range(self, record: Sequence[Any]) -> None:
+        """``FieldError``/``CheckpointError`` unless the checkpoint's range entry
+        ``[at, name, start, end, count, skip]`` is whole lines of a local file
+        this stage reads: it starts at a line start, ends after a ``\\n`` (or
+        at the end of the file) and holds ``count`` lines."""
+        _, name, start, end, count, _ = record
+        path = self._resolve(name)
+        if is_url(path):
+            raise FieldError("ranges", "ranges of local files only", name)
+        size = resumable_size(self.name, path)
+        check_whole_lines(self.name, path, size, start, end, count)
 
     def own_state(self) -> dict[str, Any]:
         return {PATH_KEY: state_name(self.source, self._path), OFFSET_KEY: self._offset}

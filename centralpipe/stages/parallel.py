@@ -6,7 +6,10 @@ round-robin and their outputs come back *in order*
 (:mod:`centralpipe.dispatch`), so every stage after it sees exactly the
 stream it would see with the function run inline. Its own state is empty; the
 inputs sent but not yet passed on are the checkpoint's in-flight inputs of
-this stage (keyed by its name), re-sent on resume.
+this stage (keyed by its name), re-sent on resume. Reading straight from
+``read_lines`` on workers, its inputs go out as byte ranges of the files
+that the workers read (:mod:`centralpipe.dispatch.worker.ranges`), and stay
+ranges in the checkpoint.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import glob
 import heapq
+import os
+import tempfile
 import time
 import unicodedata
 from collections.abc import Callable, Iterator
@@ -175,24 +177,34 @@ class Run:
     batches: int
     first_s: float
     total_s: float
+    #: CPU time of the main process (all its threads; worker threads too
+    #: with the thread executor), start-up included.
+    cpu_s: float = 0.0
 
     @property
     def rate(self) -> float:
         return self.lines / self.total_s
 
 
-def _consume(it: Iterator[torch.Tensor], t0: float, lines: int) -> Run:
+def _now() -> tuple[float, float]:
+    """Wall clock and this process's CPU time, at a contender's start."""
+    return time.perf_counter(), time.process_time()
+
+
+def _consume(it: Iterator[torch.Tensor], start: tuple[float, float], lines: int) -> Run:
+    t0, c0 = start
     first, batches = None, 0
     for _ in it:
         batches += 1
         if first is None:
             first = time.perf_counter() - t0
     total = time.perf_counter() - t0
-    return Run(lines, batches, first if first is not None else total, total)
+    cpu = time.process_time() - c0
+    return Run(lines, batches, first if first is not None else total, total, cpu)
 
 
 def run_serial(lines: list[str], tok: Callable[[str], list[int]]) -> Run:
-    t0 = time.perf_counter()
+    t0 = _now()
     return _consume((pad(b) for b in bucketize(tok(x) for x in lines)), t0, len(lines))
 
 
@@ -209,9 +221,35 @@ def run_centralpipe(
         .map(pad)
     )
     workers_cfg = cp.WorkerConfig(num_workers=workers, executor=executor)
-    t0 = time.perf_counter()
+    t0 = _now()
     with cp.Loader[torch.Tensor](pipe, cp.LoaderConfig(workers=workers_cfg)) as loader:
         return _consume(iter(loader), t0, len(lines))
+
+
+def run_centralpipe_file(
+    lines: list[str], tok: Callable[[str], list[int]], read_in_workers: bool
+) -> Run:
+    """``parallel=True`` on 2 process workers, the lines read from a file by
+    ``read_lines``: the workers read byte ranges (``read_in_workers``) or
+    the main process sends them lines."""
+    with tempfile.TemporaryDirectory(prefix="centralpipe-seed-") as root:
+        path = os.path.join(root, "lines.txt")
+        with open(path, "w", encoding="utf-8", newline="\n") as f:
+            f.writelines(line + "\n" for line in lines)
+        pipe = (
+            cp.Pipeline.from_files(path)
+            .read_lines()
+            .map(tok, parallel=True)
+            .bucket_by_max_tokens(MAX_TOKENS, buffer_size=BUFFER, min_len=1)
+            .count("pre_shard", weight_fn=len)
+            .shard()
+            .dispatch()
+            .map(pad)
+        )
+        workers = cp.WorkerConfig(num_workers=WORKERS, read_in_workers=read_in_workers)
+        t0 = _now()
+        with cp.Loader[torch.Tensor](pipe, cp.LoaderConfig(workers=workers)) as loader:
+            return _consume(iter(loader), t0, len(lines))
 
 
 class TokenBuckets(IterableDataset[torch.Tensor]):
@@ -228,7 +266,7 @@ class TokenBuckets(IterableDataset[torch.Tensor]):
 
 
 def run_dataloader(lines: list[str], tok: Callable[[str], list[int]]) -> Run:
-    t0 = time.perf_counter()
+    t0 = _now()
     loader = DataLoader(
         TokenBuckets(lines, tok),
         batch_size=None,
@@ -276,7 +314,7 @@ def run_nodes(lines: list[str], tok: Callable[[str], list[int]]) -> Run:
         multiprocessing_context=PEER_START_METHOD,
     )
     node = tn.Mapper(BucketNode(mapped), pad)
-    t0 = time.perf_counter()
+    t0 = _now()
     try:
         return _consume(iter(tn.Loader(node)), t0, len(lines))
     finally:
@@ -292,6 +330,14 @@ CONTENDERS: tuple[tuple[str, Callable[[list[str], Any], Run]], ...] = (
         lambda ls, t: run_centralpipe(ls, t, 2, True, "process"),
     ),
     ("centralpipe parallel=True, thread", lambda ls, t: run_centralpipe(ls, t, 2, True, "thread")),
+    (
+        "centralpipe parallel=True, process, file read in workers",
+        lambda ls, t: run_centralpipe_file(ls, t, True),
+    ),
+    (
+        "centralpipe parallel=True, process, file lines sent",
+        lambda ls, t: run_centralpipe_file(ls, t, False),
+    ),
     ("DataLoader (IterableDataset), 2 workers", run_dataloader),
     ("torchdata.nodes ParallelMapper, 2 workers", run_nodes),
 )
@@ -373,22 +419,24 @@ def report_lines(results: list[TokenizerResult]) -> list[str]:
         "",
         f"Corpus `examples/data/*.txt` repeated; buckets of <= {MAX_TOKENS} tokens from a "
         f"{BUFFER}-line buffer; one epoch per contender. lines/s: the whole epoch, start-up "
-        "included; start-up: ms to the first batch. Peers start workers with "
-        f"`{PEER_START_METHOD}`.",
+        "included; start-up: ms to the first batch; main CPU: the main process's CPU "
+        "time per line (all its threads, worker threads too with the thread executor). "
+        f"Peers start workers with `{PEER_START_METHOD}`.",
         "",
-        "| tokenizer | contender | lines | lines/s | / serial | start-up ms | start-up share |",
-        "|---|---|--:|--:|--:|--:|--:|",
+        "| tokenizer | contender | lines | lines/s | / serial | start-up ms | start-up share "
+        "| main CPU µs/line |",
+        "|---|---|--:|--:|--:|--:|--:|--:|",
     ]
     for res in results:
         if res.skipped is not None:
-            out.append(f"| {res.name} | skipped: {res.skipped} | | | | | |")
+            out.append(f"| {res.name} | skipped: {res.skipped} | | | | | | |")
             continue
         serial = res.runs["serial loop"]
         for cname, r in res.runs.items():
             out.append(
                 f"| {res.name} | {cname} | {r.lines:,} | {r.rate:,.0f} | "
                 f"{r.rate / serial.rate:.2f}x | {r.first_s * 1e3:.0f} | "
-                f"{r.first_s / r.total_s:.0%} |"
+                f"{r.first_s / r.total_s:.0%} | {r.cpu_s / r.lines * 1e6:.1f} |"
             )
     out.append("")
     for res in results:

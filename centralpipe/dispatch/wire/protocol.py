@@ -215,12 +215,16 @@ class InFlight:
         stamps: list[Any] | None,
         skip_outputs: int,
         skip: Sequence[int],
+        ranges: Sequence[tuple[int, Any]] = (),
     ) -> None:
         self.first_seq = first_seq
         self.items = items
         self.stamps = stamps
         self.skip_outputs = skip_outputs
         self.skip = set(skip)
+        #: ``(at, lines)``: a range of in-flight lines (a sequence whose items
+        #: are those lines) that comes before ``items[at]``.
+        self.ranges = list(ranges)
 
 
 class Encoded(NamedTuple):

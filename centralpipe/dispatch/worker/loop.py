@@ -41,6 +41,7 @@ from centralpipe.dispatch.wire.protocol import (
 )
 from centralpipe.dispatch.wire.stash import RingWriter, receive_ring, stash
 from centralpipe.dispatch.worker.chain import WorkerChain
+from centralpipe.dispatch.worker.ranges import LineRange, run_range
 
 __all__ = ["WorkerSpec", "result_message", "run_received", "serve", "worker_main"]
 #: How often a worker checks that the main process is still alive.
@@ -240,6 +241,8 @@ def run_received(
             # Some item cannot be unpickled here: the main process re-sends
             # the chunk per item to find out which.
             return ChunkResult(items, None, None, 0.0)  # type: ignore[arg-type]
+        if isinstance(items, LineRange):  # the lines of a byte range: read them here
+            return run_range(chain, items, epoch, first_seq, skip, status, stream, rng_key)
         return chain.run_chunk(epoch, first_seq, items, skip, status, stream, rng_key)
     bad = []
     for i, item in enumerate(items):

@@ -152,6 +152,7 @@ class Loader(Generic[T]):
                     epoch=epoch,
                     plans=resume.plans(pending, self._boundary),
                     delivered=resume.delivered(pending),
+                    skipped=resume.skipped(pending, self._boundary),
                 )
             else:
                 epoch = self.epoch + 1
@@ -191,7 +192,9 @@ class Loader(Generic[T]):
         self._resume = None
         self.epoch = epoch - 1
 
-    def _make_run(self, *, epoch: int, plans: dict[str, StreamPlan], delivered: int = 0) -> Run:
+    def _make_run(
+        self, *, epoch: int, plans: dict[str, StreamPlan], delivered: int = 0, skipped: int = 0
+    ) -> Run:
         w = self._config.workers
         policy = Policy(
             timeout_s=w.timeout_s,
@@ -220,6 +223,7 @@ class Loader(Generic[T]):
             executor=executor,
             run_id=self._run_ids,
             delivered=delivered,
+            skipped=skipped,
             pinner=self._res.pinner,
             chain_lock=self._res.chain_lock,
             warm=warm,

@@ -21,7 +21,16 @@ from centralpipe.plan.pipeline import WORKER_KINDS, Pipeline
 from centralpipe.stages import CentralNode, Parallel, RunContext, Shard
 from centralpipe.stages.totals import chain_totals
 
-__all__ = ["assemble", "copy_state", "delivered", "expected", "idle_body", "plans", "tuplify"]
+__all__ = [
+    "assemble",
+    "copy_state",
+    "delivered",
+    "expected",
+    "idle_body",
+    "plans",
+    "skipped",
+    "tuplify",
+]
 
 
 def idle_body(segments: Sequence[str], nodes: Sequence[CentralNode[Any]]) -> dict[str, Any]:
@@ -40,6 +49,7 @@ def idle_body(segments: Sequence[str], nodes: Sequence[CentralNode[Any]]) -> dic
         "delivered_stamp": None,
         "finished": True,
         "delivered": 0,
+        "skipped": 0,
     }
 
 
@@ -78,6 +88,7 @@ def assemble(
         "position": {
             "pre_shard_index": _pre_shard_index(stamped, stamp),
             "delivered": body["delivered"],
+            "skipped": body["skipped"],
         },
     }
 
@@ -143,6 +154,20 @@ def plans(resume: dict[str, Any], boundary: str) -> dict[str, StreamPlan]:
 def delivered(resume: dict[str, Any]) -> int:
     """Outputs the checkpoint's epoch had delivered (its step count)."""
     return int((resume.get("position") or {}).get("delivered") or 0)
+
+
+def skipped(resume: dict[str, Any], boundary: str) -> int:
+    """Inputs of the checkpoint's epoch that gave no output (``position.skipped``).
+
+    A state from before that field has none: the first undelivered input's seq
+    less the outputs delivered stands in, which is the count whenever each
+    input gives at most one output (the only pipelines whose step count is
+    checked against it)."""
+    position = resume.get("position") or {}
+    if position.get("skipped") is not None:
+        return int(position["skipped"])
+    first_seq = int(resume["in_flight"][boundary]["first_seq"])
+    return max(0, first_seq - delivered(resume))
 
 
 def _plan(flight: dict[str, Any]) -> StreamPlan:

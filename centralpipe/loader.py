@@ -39,7 +39,7 @@ from centralpipe.stages import (
     all_nodes,
     build_central,
 )
-from centralpipe.stages.totals import Total, chain_totals, exact_length
+from centralpipe.stages.totals import Total, chain_totals, exact_length, weight_total
 from centralpipe.startup import check_picklable
 
 __all__ = ["Loader"]
@@ -325,7 +325,7 @@ class Loader(Generic[T]):
                     raise
         return res.pool
 
-    def total(self, stage: str | None = None) -> Total | None:
+    def total(self, stage: str | None = None, *, weight: bool = False) -> Total | None:
         """Items one whole epoch yields, known without iterating: a
         :class:`~centralpipe.Total` (``items``, and ``exact=False`` when it is
         only an upper bound, e.g. after a ``filter``), or ``None`` when unknown.
@@ -333,13 +333,34 @@ class Loader(Generic[T]):
         ``stage=None``: this loader's output (this rank's, after the worker
         stages). A stage name: the items that stage yields (e.g. the ``count``
         a progress bar shows, before ``shard()``: every rank's items). May count
-        the lines of ``read_lines`` files (once per file, cached)."""
+        the lines of ``read_lines`` files (once per file, cached).
+
+        ``weight=True`` (``count`` stages): the ``weight`` the stage reaches at
+        the end of the epoch instead, in ``Total.items``, where the pipeline
+        tells it: without a ``weight_fn`` its item total, with
+        ``weight_fn=len`` on the lists of a ``batch``, ``bucket_by_max_tokens``
+        or ``pack`` the items going into that stage; otherwise ``None``
+        (:func:`~centralpipe.stages.totals.weight_total`)."""
+        if not isinstance(weight, bool):
+            raise TypeError(f"`weight` must be a bool, got {weight!r}.")
         totals = self._totals()
         if stage is None:
+            if weight:
+                msg = (
+                    "weight=True needs the name of a count stage, e.g. "
+                    "loader.total('pre_shard', weight=True)."
+                )
+                raise ValueError(msg)
             return totals[self._pipe.stages[-1].name]
         if stage not in totals:
             known = ", ".join(repr(n) for n in totals)
             raise KeyError(f"no stage named {stage!r}; stages: {known}.")
+        if weight:
+            kind = dict((name, kind) for name, kind in self._pipe.fingerprint())[stage]
+            if kind != "count":
+                msg = f"weight=True is for count stages; {stage!r} is a {kind} stage."
+                raise ValueError(msg)
+            return weight_total(self._pipe.stages, totals, stage)
         return totals[stage]
 
     def _totals(self) -> dict[str, Total | None]:

@@ -91,7 +91,7 @@ class Loader(Generic[T]):
         self._check_open()
         self._central.set_next_epoch(epoch)
 
-    def total(self, stage: str | None = None) -> Total | None:
+    def total(self, stage: str | None = None, *, weight: bool = False) -> Total | None:
         """Items one whole epoch yields, known without iterating: a
         :class:`~centralpipe.Total` (``items``, and ``exact=False`` when it is
         only an upper bound, e.g. after a ``filter``), or ``None`` when unknown.
@@ -99,8 +99,17 @@ class Loader(Generic[T]):
         ``stage=None``: this loader's output (this rank's, after the worker
         stages). A stage name: the items that stage yields (e.g. the ``count``
         a progress bar shows, before ``shard()``: every rank's items). May count
-        the lines of ``read_lines`` files (once per file, cached)."""
-        return self._central.total(stage)
+        the lines of ``read_lines`` files (once per file, cached).
+
+        ``weight=True`` (``count`` stages): the ``weight`` the stage reaches at
+        the end of the epoch instead, in ``Total.items``, where the pipeline
+        tells it: without a ``weight_fn`` its item total, with
+        ``weight_fn=len`` on the lists of a ``batch``, ``bucket_by_max_tokens``
+        or ``pack`` the items going into that stage; otherwise ``None``
+        (:func:`~centralpipe.stages.totals.weight_total`)."""
+        if not isinstance(weight, bool):
+            raise TypeError(f"`weight` must be a bool, got {weight!r}.")
+        return self._central.total(stage, weight=weight)
 
     def __len__(self) -> int:
         return self._central.length()

@@ -29,6 +29,7 @@ __all__ = [
     "idle_body",
     "plans",
     "readers",
+    "skipped",
     "tuplify",
 ]
 
@@ -49,6 +50,7 @@ def idle_body(segments: Sequence[str], nodes: Sequence[CentralNode[Any]]) -> dic
         "delivered_stamp": None,
         "finished": True,
         "delivered": 0,
+        "skipped": 0,
     }
 
 
@@ -87,6 +89,7 @@ def assemble(
         "position": {
             "pre_shard_index": _pre_shard_index(stamped, stamp),
             "delivered": body["delivered"],
+            "skipped": body["skipped"],
         },
     }
 
@@ -167,6 +170,20 @@ def plans(
 def delivered(resume: dict[str, Any]) -> int:
     """Outputs the checkpoint's epoch had delivered (its step count)."""
     return int((resume.get("position") or {}).get("delivered") or 0)
+
+
+def skipped(resume: dict[str, Any], boundary: str) -> int:
+    """Inputs of the checkpoint's epoch that gave no output (``position.skipped``).
+
+    A state from before that field has none: the first undelivered input's seq
+    less the outputs delivered stands in, which is the count whenever each
+    input gives at most one output (the only pipelines whose step count is
+    checked against it)."""
+    position = resume.get("position") or {}
+    if position.get("skipped") is not None:
+        return int(position["skipped"])
+    first_seq = int(resume["in_flight"][boundary]["first_seq"])
+    return max(0, first_seq - delivered(resume))
 
 
 def _plan(flight: dict[str, Any], reader: Any) -> StreamPlan:

@@ -161,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         workers = attrs.evolve(workers, buffer_size=args.buffer_size)
     config = cp.LoaderConfig(workers=workers, distributed=dist)
     pipe = build_pipeline(args.data, args.max_tokens)
+    # The bar's end. loader.total("pre_shard", weight=True) knows only an upper
+    # bound here (the lines of the files): min_len=1 drops the blank ones, so
+    # they are counted once instead. Without min_len, cp.progress would take
+    # the exact total from the pipeline itself.
     total = count_sequences(args.data)
     if dist.rank == 0:
         say(f"pipeline ({args.workers} workers, buffer {workers.buffer_size or 'unlimited'}):")

@@ -231,7 +231,7 @@ def test_global_state_reports_its_origin_and_position() -> None:
     _, states = take("drop_last", 3, 2)
     merged = cp.merge_states(states)
     assert merged["distributed"] == {"rank": 0, "world_size": 3, "merged": True}
-    assert merged["position"] == {"pre_shard_index": 6, "delivered": 0}
+    assert merged["position"] == {"pre_shard_index": 6, "delivered": 0, "skipped": 0}
     assert merged["in_flight"]["dispatch"]["items"] == []
 
 
@@ -457,8 +457,26 @@ RANK_DEFECTS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     ),
     "delivered-relabelled-to-a-later-step": (
         lambda sd: sd["position"].update(delivered=3),
-        r"position\.delivered must be <= in_flight\['dispatch'\]\.first_seq \(2, the items "
-        r"delivered: the worker stages make at most one output per input\), got 3",
+        r"position\.delivered must be in_flight\['dispatch'\]\.first_seq - position\.skipped = "
+        r"2 - 0 = 2 \(each item delivered gave one output or was skipped: .*\), got 3",
+    ),
+    "delivered-relabelled-to-an-earlier-step": (
+        lambda sd: sd["position"].update(delivered=1),
+        r"position\.delivered must be in_flight\['dispatch'\]\.first_seq - position\.skipped = "
+        r"2 - 0 = 2 \(each item delivered gave one output or was skipped: .*\), got 1",
+    ),
+    "skipped-relabelled": (
+        lambda sd: sd["position"].update(skipped=1),
+        r"position\.delivered must be in_flight\['dispatch'\]\.first_seq - position\.skipped = "
+        r"2 - 1 = 1 \(each item delivered gave one output or was skipped: .*\), got 2",
+    ),
+    "skipped-negative": (
+        lambda sd: sd["position"].update(skipped=-1),
+        r"position\.skipped must be None or an int >= 0, got -1",
+    ),
+    "skipped-str": (
+        lambda sd: sd["position"].update(skipped="0"),
+        r"position\.skipped must be None or an int >= 0, got '0'",
     ),
 }
 

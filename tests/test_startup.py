@@ -13,6 +13,7 @@ import pytest
 import centralpipe as cp
 from centralpipe.dispatch.executors.preload import TORCH, WORKER_MODULE, needs_torch, server_preload
 from tests import startup_fns, startup_indirect_fns, startup_torch_fns
+from tests.startup_pkg import fns as startup_pkg_fns
 
 ROOT = str(Path(__file__).parent.parent)
 
@@ -142,6 +143,7 @@ _BASE = cp.Pipeline.from_iterable(range(4)).dispatch()
         pytest.param(_BASE.map(startup_fns.torch_loaded), False, id="torch-free-module"),
         pytest.param(_BASE.map(startup_torch_fns.scale), True, id="torch-module"),
         pytest.param(_BASE.map(startup_indirect_fns.double), True, id="through-another-module"),
+        pytest.param(_BASE.map(startup_pkg_fns.triple), True, id="through-its-package"),
         pytest.param(_BASE.map(abs, with_rng=True), True, id="with-rng"),
         pytest.param(_BASE.map(abs).collate(), True, id="default-collate"),
         pytest.param(_BASE.map(lambda x: x), False, id="unpicklable"),
@@ -149,7 +151,8 @@ _BASE = cp.Pipeline.from_iterable(range(4)).dispatch()
 )
 def test_needs_torch_reads_the_worker_functions(pipe: cp.Pipeline, expected: bool) -> None:
     """Workers need torch when a function comes from torch, seeds a torch
-    generator, or comes from a module that imports torch, directly or not."""
+    generator, or comes from a module that imports torch, directly, through
+    another module or through the package the module is in."""
     assert needs_torch(_workers(pipe)) is expected
     preload = server_preload(_workers(pipe))
     assert preload == ([WORKER_MODULE, TORCH] if expected else [WORKER_MODULE])

@@ -310,3 +310,136 @@ def test_reader_counts_are_cached_until_the_file_changes(
         path.write_bytes(b"1\n\n3\n")  # same size, later mtime
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
         assert loader.total() == cp.Total(2) and len(calls) == 3
+
+
+def _size(x: int) -> int:
+    return x % 5 + 1
+
+
+def _len_of(batch: list[int]) -> int:
+    return len(batch)
+
+
+_SRC = cp.Pipeline.from_iterable(range(50))
+#: A pipeline ending in count "c", and the weight total it tells (None: unknown).
+WEIGHT_TOTALS: dict[str, tuple[cp.Pipeline, cp.Total | None]] = {
+    "no-weight-fn": (_SRC.batch(7).count("c"), cp.Total(8)),
+    "len-after-batch": (_SRC.batch(7).count("c", weight_fn=len), cp.Total(50)),
+    "len-after-batch-drop-last": (
+        _SRC.batch(7, drop_last=True).count("c", weight_fn=len),
+        cp.Total(49),
+    ),
+    "len-after-bucket": (
+        _SRC.bucket_by_max_tokens(10, len_fn=_size, buffer_size=8).count("c", weight_fn=len),
+        cp.Total(50),
+    ),
+    "len-after-bucket-with-min-len": (
+        _SRC.bucket_by_max_tokens(10, len_fn=_size, min_len=2, name="b").count("c", weight_fn=len),
+        cp.Total(50, exact=False, bound_by="b"),
+    ),
+    "len-after-pack": (_SRC.pack(12, len_fn=_size).count("c", weight_fn=len), cp.Total(50)),
+    "len-after-pack-dropping-oversize": (
+        _SRC.pack(4, len_fn=_size, oversize="drop", name="p").count("c", weight_fn=len),
+        cp.Total(50, exact=False, bound_by="p"),
+    ),
+    "len-through-shuffle-and-count": (
+        _SRC.batch(7).shuffle(3).count("b").count("c", weight_fn=len),
+        cp.Total(50),
+    ),
+    "len-after-a-filter": (
+        _SRC.filter(lambda x: x % 3 != 0, name="f").batch(7).count("c", weight_fn=len),
+        cp.Total(50, exact=False, bound_by="f"),
+    ),
+    "another-weight-fn": (_SRC.batch(7).count("c", weight_fn=_len_of), None),
+    "len-after-a-map": (_SRC.batch(7).map(list).count("c", weight_fn=len), None),
+    "len-of-items-not-lists": (
+        cp.Pipeline.from_iterable(["ab", "c"]).count("c", weight_fn=len),
+        None,
+    ),
+    "source-without-length": (
+        cp.Pipeline.from_iterable(lambda: iter(range(50))).batch(7).count("c", weight_fn=len),
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", WEIGHT_TOTALS, ids=str)
+def test_weight_total_of_a_count(case: str) -> None:
+    """loader.total(name, weight=True) is the weight the count reaches at the
+    end of the epoch where the pipeline tells it (exact, or an upper bound
+    naming the stage that may drop items), else None; the epoch then ends
+    exactly there (or within the bound)."""
+    pipe, want = WEIGHT_TOTALS[case]
+    with cp.Loader(pipe.shard().dispatch()) as loader:
+        assert loader.total("c", weight=True) == want
+        collect(loader)
+        reached = loader.query("c", delivered=True)["weight"]
+    if want is not None and want.exact:
+        assert reached == want.items
+    elif want is not None:
+        assert reached <= want.items
+
+
+def test_weight_total_refuses_bad_calls() -> None:
+    """weight=True needs a count stage's name and a bool: the errors say so."""
+    with cp.Loader(_SRC.batch(7, name="b").count("c", weight_fn=len)) as loader:
+        with pytest.raises(ValueError, match=r"weight=True needs the name of a count stage"):
+            loader.total(weight=True)
+        with pytest.raises(ValueError, match=r"weight=True is for count stages; 'b' is a batch"):
+            loader.total("b", weight=True)
+        with pytest.raises(TypeError, match=r"`weight` must be a bool, got 'yes'"):
+            loader.total("c", weight="yes")  # type: ignore[arg-type]
+        with pytest.raises(KeyError, match=r"no stage named 'x'"):
+            loader.total("x", weight=True)
+
+
+def _corpus_buckets(min_len: int = 0) -> cp.Pipeline:
+    return (
+        cp.Pipeline.from_files(CORPUS_GLOB)
+        .read_lines()
+        .bucket_by_max_tokens(4096, len_fn=len, buffer_size=500, min_len=min_len)
+        .count("pre_shard", weight_fn=len)
+        .shard(equalize="drop_last")
+        .dispatch()
+    )
+
+
+def test_progress_bar_of_summed_batch_sizes_ends_at_the_known_total() -> None:
+    """The motivating bar: batch sizes summed before shard(), with no total
+    given, ends at the corpus's 8000 lines, before and after a resume; with
+    min_len (lines dropped: only an upper bound) the bar has no end."""
+    whole = sum(count_lines(p) for p in sorted(Path(CORPUS_GLOB).parent.glob("*.txt")))
+    assert whole == 8000
+    out = io.StringIO()
+    with cp.Loader(_corpus_buckets()) as loader:
+        assert loader.total("pre_shard", weight=True) == cp.Total(8000)
+        bar = cp.progress(loader, file=out, mininterval=0)
+        head = []
+        for batch in bar:
+            head.append(batch)
+            if len(head) == 5:
+                break
+        bar.close()
+        state = loader.state_dict()
+        half = loader.query("pre_shard", delivered=True)["weight"]
+    assert half == sum(len(batch) for batch in head)
+    assert out.getvalue().split("\r")[-1].strip().startswith(f"{100 * half // 8000}%")
+    assert f" {half}/8000 " in out.getvalue()
+    out = io.StringIO()
+    with cp.Loader(_corpus_buckets()) as loader:
+        loader.load_state_dict(state)
+        for _ in cp.progress(loader, file=out, mininterval=0):
+            pass
+    frames = [f for f in out.getvalue().split("\r") if f.strip()]
+    assert f" {half}/8000 " in frames[0]  # starts at the checkpoint's value
+    assert " 8000/8000 " in frames[-1]
+    out = io.StringIO()
+    with cp.Loader(_corpus_buckets(min_len=1)) as loader:
+        assert loader.total("pre_shard", weight=True) == cp.Total(
+            8000, exact=False, bound_by="bucket_by_max_tokens_2"
+        )
+        for _ in cp.progress(loader, file=out, mininterval=0):
+            pass
+    kept = sum(1 for line in _lines(CORPUS_GLOB) if len(line) >= 1)
+    assert kept == 7971
+    assert "/8000" not in out.getvalue() and f"{kept}samples" in out.getvalue()

@@ -425,7 +425,7 @@ def _merge(ranks: list[_Rank]) -> dict[str, Any]:
         },
     }
     out["delivered_stamp"] = _delivered_stamp(ranks, slot, first, position)
-    out["position"] = {"pre_shard_index": first, "delivered": 0}
+    out["position"] = {"pre_shard_index": first, "delivered": 0, "skipped": 0}
     return out
 
 

@@ -111,16 +111,35 @@ def check_pipeline(ckpt: Checkpoint, want: Expected) -> dict[str, Any]:
             _fail(f"{path}.next_seq", expected, flight.next_seq)
         _check_boundary(path, name, flight, ckpt, want, states)
     tip = ckpt.in_flight.get(want.tip)
-    delivered = ckpt.position.delivered
-    if tip is not None and not want.multi_output and delivered > tip.first_seq:
-        # Each input delivered gave at most one output (a worker filter, or
-        # on_error="skip", gives none): a step count past it is another step's.
+    if tip is not None and not want.multi_output:
+        _check_step_count(ckpt, want.tip, tip)
+    return states
+
+
+def _check_step_count(ckpt: Checkpoint, name: str, tip: Boundary) -> None:
+    """The step count against the inputs delivered, when each input gave at
+    most one output: exactly (``delivered + skipped == first_seq``) with
+    ``position.skipped``, else (older states) ``delivered <= first_seq``. A
+    state relabelled to another step, later or earlier, fails here."""
+    delivered, skipped = ckpt.position.delivered, ckpt.position.skipped
+    if skipped is None:
+        if delivered > tip.first_seq:
+            # A worker filter, or on_error="skip", gives no output for an
+            # input: a step count past the inputs is another step's.
+            expected = (
+                f"<= in_flight['{name}'].first_seq ({tip.first_seq}, the items delivered: "
+                "the worker stages make at most one output per input)"
+            )
+            _fail("position.delivered", expected, delivered)
+        return
+    if delivered + skipped != tip.first_seq:
         expected = (
-            f"<= in_flight['{want.tip}'].first_seq ({tip.first_seq}, the items delivered: "
-            "the worker stages make at most one output per input)"
+            f"in_flight['{name}'].first_seq - position.skipped = {tip.first_seq} - {skipped} = "
+            f"{tip.first_seq - skipped} (each item delivered gave one output or was skipped: "
+            "the worker stages make at most one output per input; a step count that differs "
+            "is another step's)"
         )
         _fail("position.delivered", expected, delivered)
-    return states
 
 
 def _check_boundary(

@@ -17,7 +17,9 @@ items hold), safe for ``torch.save`` and ``torch.distributed.checkpoint``::
           "ranges": [[at, file, start, end, lines, skip], ...]}},  # optional: lines in flight
                                                    # as byte ranges (after read_lines)
       "delivered_stamp": [...] | None,             # count/shard totals as delivered
-      "position": {"pre_shard_index": int | None},
+      "position": {"pre_shard_index": int | None,
+                   "delivered": int,                # outputs this epoch (the step count)
+                   "skipped": int},                 # inputs that gave none (optional)
     }
 
 It describes the position after the last item the consumer received: the
@@ -119,6 +121,15 @@ class Position:
     )
     #: Outputs delivered this epoch (since its start or its last elastic resume).
     delivered: int = attrs.field(default=0, validator=_count())
+    #: Inputs of this epoch before the first undelivered one that gave no
+    #: output (skipped with ``on_error="skip"``, dropped by a worker filter);
+    #: ``None`` in states from before the field. With worker stages that make
+    #: at most one output per input, ``delivered + skipped`` is the dispatch
+    #: boundary's ``first_seq``: a step count edited alone is caught.
+    skipped: int | None = attrs.field(
+        default=None,
+        validator=checked(FieldError, "None or an int >= 0", v.optional(int_in(0, INT64_END))),
+    )
 
 
 def _is_range(_inst: Any, _attr: attrs.Attribute[Any], value: Any) -> None:

@@ -36,6 +36,7 @@ class Capture:
     chain_lock: threading.RLock
     next_seq: int
     delivered: int
+    skipped: int
     pending: deque[Chunk]
     current: Chunk | None
     finished: bool
@@ -110,6 +111,7 @@ class Capture:
         first_seq = self.next_seq
         skip_outputs = 0
         delivered_stamp = self.last_stamp
+        skipped = self.skipped
         first = True
         for chunk in self.pending:
             if not chunk.items:
@@ -122,6 +124,8 @@ class Capture:
                     delivered_stamp = chunk.stamps[last]
                 first_seq = chunk.first_seq + j
                 first = False
+                if chunk is self.current and chunk.result is not None and chunk.result.counts:
+                    skipped += chunk.result.counts[:j].count(0)
                 if chunk.skip_first and j == 0:
                     skip_outputs += chunk.skip_first
             if isinstance(chunk.items, LineRange):
@@ -165,6 +169,7 @@ class Capture:
             "finished": self.finished,
             "delivered": self.delivered
             + (self._delivered_in_current() if self.current is not None else 0),
+            "skipped": skipped,
         }
 
     def delivered_stamp(self) -> Any:

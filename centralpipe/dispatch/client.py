@@ -323,8 +323,8 @@ class ServiceClient:
         value: dict[str, Any] = self._read("metrics")
         return value
 
-    def total(self, stage: str | None = None) -> Total | None:
-        value: Total | None = self._call("total", stage)[1]
+    def total(self, stage: str | None = None, *, weight: bool = False) -> Total | None:
+        value: Total | None = self._call("total", stage, weight)[1]
         return value
 
     def length(self) -> int:

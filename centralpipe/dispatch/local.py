@@ -37,7 +37,7 @@ from centralpipe.stages import (
     all_nodes,
     build_central,
 )
-from centralpipe.stages.totals import Total, chain_totals, exact_length
+from centralpipe.stages.totals import Total, chain_totals, exact_length, weight_total
 from centralpipe.startup import check_picklable
 
 __all__ = ["LocalCentral"]
@@ -127,6 +127,7 @@ class LocalCentral:
                     epoch=epoch,
                     plans=resume.plans(pending, self._boundary, resume.readers(self._nodes)),
                     delivered=resume.delivered(pending),
+                    skipped=resume.skipped(pending, self._boundary),
                 )
             else:
                 epoch = self.epoch + 1
@@ -165,7 +166,9 @@ class LocalCentral:
         self._resume = None
         self.epoch = epoch - 1
 
-    def _make_run(self, *, epoch: int, plans: dict[str, StreamPlan], delivered: int = 0) -> Run:
+    def _make_run(
+        self, *, epoch: int, plans: dict[str, StreamPlan], delivered: int = 0, skipped: int = 0
+    ) -> Run:
         w = self._config.workers
         policy = Policy(
             timeout_s=w.timeout_s,
@@ -194,6 +197,7 @@ class LocalCentral:
             executor=executor,
             run_id=self._run_ids,
             delivered=delivered,
+            skipped=skipped,
             pinner=self._res.pinner,
             chain_lock=self._res.chain_lock,
             warm=warm,
@@ -296,21 +300,27 @@ class LocalCentral:
                     raise
         return res.pool
 
-    def total(self, stage: str | None = None) -> Total | None:
-        """Items one whole epoch yields, known without iterating: a
-        :class:`~centralpipe.Total` (``items``, and ``exact=False`` when it is
-        only an upper bound, e.g. after a ``filter``), or ``None`` when unknown.
-
-        ``stage=None``: this loader's output (this rank's, after the worker
-        stages). A stage name: the items that stage yields (e.g. the ``count``
-        a progress bar shows, before ``shard()``: every rank's items). May count
-        the lines of ``read_lines`` files (once per file, cached)."""
+    def total(self, stage: str | None = None, weight: bool = False) -> Total | None:
+        """``Loader.total``: the items (or with ``weight=True`` the weight of a
+        ``count`` stage) one whole epoch yields, or ``None`` when unknown."""
         totals = self._totals()
         if stage is None:
+            if weight:
+                msg = (
+                    "weight=True needs the name of a count stage, e.g. "
+                    "loader.total('pre_shard', weight=True)."
+                )
+                raise ValueError(msg)
             return totals[self._pipe.stages[-1].name]
         if stage not in totals:
             known = ", ".join(repr(n) for n in totals)
             raise KeyError(f"no stage named {stage!r}; stages: {known}.")
+        if weight:
+            kind = dict((name, kind) for name, kind in self._pipe.fingerprint())[stage]
+            if kind != "count":
+                msg = f"weight=True is for count stages; {stage!r} is a {kind} stage."
+                raise ValueError(msg)
+            return weight_total(self._pipe.stages, totals, stage)
         return totals[stage]
 
     def _totals(self) -> dict[str, Total | None]:

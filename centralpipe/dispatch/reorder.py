@@ -143,6 +143,7 @@ class Stream(Capture):
         parallelism: int,
         stream_id: int = 0,
         delivered: int = 0,
+        skipped: int = 0,
         rng_base: tuple[int, int, int] = (0, 1, 0),
         chain_lock: threading.RLock | None = None,
     ) -> None:
@@ -163,6 +164,13 @@ class Stream(Capture):
         #: Outputs delivered this epoch (since its start or its last elastic
         #: resume) before the current chunk: the "step count" of a checkpoint.
         self.delivered = delivered
+        #: Inputs before the current chunk that gave no output (skipped with
+        #: on_error="skip", dropped by a worker filter, poison items passed at
+        #: a resume), counted like ``delivered``: with worker stages that make
+        #: at most one output per input, ``delivered + skipped`` is the first
+        #: undelivered input's seq, which lets a checkpoint's step count be
+        #: checked (``position.skipped``).
+        self.skipped = skipped
         # with_rng keys: (base, step, offset): an item's key is base + seq*step + offset.
         self._key = rng_base
         #: Notified when room appears in the buffer (the pool's wake-up condition).
@@ -488,6 +496,8 @@ class Stream(Capture):
             self.by_cid.pop(chunk.cid, None)  # idempotent
             n = len(chunk.items)
             done = len(chunk.result.outputs) if chunk.result else 0
+            counts = chunk.result.counts if chunk.result else None
+            empty = counts.count(0) if counts else 0
             pending = self.pending
             # From here on no call until the last statement.
             self.in_flight -= n
@@ -495,6 +505,7 @@ class Stream(Capture):
                 self.last_stamp = chunk.stamps[-1]
             self.stats.delivered += done
             self.delivered += done
+            self.skipped += empty
             self._cur_it = None
             self._cur_list = []
             self._cur_plain = False

@@ -6,6 +6,12 @@ count stage's totals as of the last delivered item
 ahead with an unlimited buffer. Placed before ``shard()``, the count sees the
 whole central stream, which every rank runs identically, so rank 0 alone can
 show the progress of the whole job without any cross-rank communication.
+
+The bar's end (tqdm's ``total``) is the ``total`` given, or else the weight
+the stage reaches at the end of the epoch when the pipeline tells it exactly
+(``loader.total(stage, weight=True)``: e.g. ``weight_fn=len`` on the batches
+of a ``batch``, ``bucket_by_max_tokens`` or ``pack`` over a source of known
+length); an upper bound or an unknown weight gives a bar without an end.
 """
 
 from __future__ import annotations
@@ -52,7 +58,9 @@ def progress(
         loader: the loader to iterate; ``iter(loader)`` is called once.
         stage: name of a ``count`` stage.
         total: the value at the end of the epoch (e.g. the corpus's sample
-            count), or ``None`` when unknown.
+            count). ``None``: the exact weight total the pipeline tells
+            (``loader.total(stage, weight=True)``), if any; else the bar has
+            no end.
         unit: tqdm's unit label.
         rank: the rank this process shows the bar for; the bar is shown only
             for rank 0. Default: ``loader.config.distributed.rank``. Other
@@ -90,6 +98,9 @@ def progress(
         with cp.Loader(pipe, config) as loader:
             for batch in cp.progress(loader, total=num_sequences, unit="seq"):
                 train_step(batch)
+
+    Without ``min_len`` the bucket keeps every line, so the total is known
+    (the lines of the files) and ``total`` can be left out.
     """
     if not isinstance(min_interval_s, (int, float)) or min_interval_s < 0:
         msg = f"`min_interval_s` must be a number >= 0, got {min_interval_s!r}."
@@ -147,6 +158,9 @@ class _Bar(Iterator[T]):
         it = self._loader._iter_started()
         state = self._loader.query(self._stage, delivered=True)
         total, unit, desc, tqdm_kwargs = self._bar_args
+        if total is None:
+            known = self._loader.total(self._stage, weight=True)
+            total = known.items if known is not None and known.exact else None
         self._bar = tqdm(
             total=total,
             initial=state[WEIGHT_KEY],

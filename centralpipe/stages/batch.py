@@ -15,7 +15,11 @@ Both keep what they pulled in their state, never in a local variable across a
 call that an interrupt (Ctrl-C) can cut short: ``batch`` gathers its group in
 ``held``, ``bucket_by_max_tokens`` holds an item while ``len_fn`` runs. The
 next ``next()`` carries on from there, and a checkpoint taken meanwhile
-records it.
+records it. The bucket moves an item from its heap into the batch by writing
+the batch (a slice assignment, no call) and its totals first and popping the
+heap last, and a full batch waits in ``ready`` (the state) until it is
+handed out with no call in between: CPython handles a Ctrl-C only at a call,
+so an interrupt finds the item in exactly one place and the totals matching.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ BATCH_TOKENS_KEY = "batch_tokens"
 BATCH_MAX_KEY = "batch_max_len"
 ARRIVALS_KEY = "arrivals"
 DRAINING_KEY = "draining"
+READY_KEY = "ready"
 
 
 _COUNT = int_in(0, 2**63)
@@ -66,6 +71,11 @@ class BucketState:
     arrivals: int = attrs.field(validator=checked(FieldError, "an int >= 0", _COUNT))
     draining: bool = attrs.field(validator=checked(FieldError, "a bool", v.instance_of(bool)))
     held: list[Any] = attrs.field(factory=list, validator=HELD)
+    #: A batch made and not yet handed out (a call cut short by an interrupt):
+    #: its items, else empty (and absent from the state).
+    ready: list[Any] = attrs.field(
+        factory=list, validator=checked(FieldError, "a list", sequence_of())
+    )
 
 
 class Batch(CentralNode[list[Any]]):
@@ -161,11 +171,17 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
         self._batch_max = 0
         self._arrivals = 0
         self._draining = False
+        #: A full batch not yet handed out (see the module docstring).
+        self._ready: list[Any] | None = None
 
     def produce(self) -> list[Any]:
         assert self.source is not None
         heap, cap = self._heap, self._buffer_size
         while True:
+            ready = self._ready
+            if ready is not None:  # made by a call an interrupt cut short
+                self._ready = None
+                return ready
             if not self._draining:
                 # Fill until the heap holds buffer_size items (a full heap pops one).
                 held = self.held
@@ -190,8 +206,11 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
                         self._max_len is not None and length > self._max_len
                     ):
                         continue
-                    heapq.heappush(heap, (length, self._arrivals, item))
-                    self._arrivals += 1
+                    # Counted first: the push is the last call, so an entry
+                    # never shares its arrival index with the next.
+                    arrival = self._arrivals
+                    self._arrivals = arrival + 1
+                    heapq.heappush(heap, (length, arrival, item))
             if not heap:
                 if self._batch:
                     out, self._batch = self._batch, []
@@ -204,28 +223,35 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
 
     def _pop_one(self) -> list[Any] | None:
         """Move the shortest buffered item into the batch; return the batch it
-        displaced when it would overflow ``max_tokens``."""
-        length, _, item = heapq.heappop(self._heap)
-        if self._padding:
-            longest = max(length, self._batch_max)
-            tokens = (len(self._batch) + 1) * longest
-        else:
-            longest = max(length, self._batch_max)
-            tokens = self._batch_tokens + length
-        if tokens > self._max_tokens and self._batch:
-            out = self._batch
-            self._batch = [item]
-            self._batch_tokens = length
-            self._batch_max = length
-            return out
-        self._batch.append(item)
-        self._batch_tokens = tokens if not self._padding else self._batch_tokens + length
-        self._batch_max = longest
+        displaced when it would overflow ``max_tokens``.
+
+        The item is read at the top of the heap, the new state written
+        without a call, and the heap popped last: an interrupt before the pop
+        changes nothing, one after it finds the move done (and a full batch
+        in ``ready``, handed out by the next call)."""
+        heap, batch = self._heap, self._batch
+        length, _, item = heap[0]
+        size = len(batch)
+        longest = length if length > self._batch_max else self._batch_max
+        tokens = (size + 1) * longest if self._padding else self._batch_tokens + length
         if tokens > self._max_tokens:
-            # A lone item longer than max_tokens goes out by itself.
-            out, self._batch = self._batch, []
-            self._batch_tokens = self._batch_max = 0
+            # The batch goes out (or, empty, the item alone: longer than
+            # max_tokens); the item starts the next batch.
+            if batch:
+                self._ready = batch
+                self._batch = [item]
+                self._batch_tokens = length
+                self._batch_max = length
+            else:
+                self._ready = [item]
+            heapq.heappop(heap)
+            out = self._ready
+            self._ready = None
             return out
+        batch[size:] = (item,)  # an append that is no call
+        self._batch_tokens += length
+        self._batch_max = longest
+        heapq.heappop(heap)
         return None
 
     def own_state(self) -> dict[str, Any]:
@@ -237,6 +263,8 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
             ARRIVALS_KEY: self._arrivals,
             DRAINING_KEY: self._draining,
         }
+        if self._ready is not None:
+            state[READY_KEY] = list(self._ready)
         return self.with_held(state)
 
     def max_items_out(self, state: BucketState, bound_in: int | None) -> int | None:
@@ -265,6 +293,8 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
         self._batch_max = int(state[BATCH_MAX_KEY])
         self._arrivals = int(state[ARRIVALS_KEY])
         self._draining = bool(state[DRAINING_KEY])
+        ready = state.get(READY_KEY)
+        self._ready = list(ready) if ready else None
 
     def query_state(self) -> dict[str, Any]:
         return {

@@ -27,7 +27,15 @@ items' lengths is refused.
 An item stays in ``held`` (the state) from the moment it is pulled until it
 is in a group, and a full group leaves at the start of the next call if an
 interrupt (Ctrl-C) came first: an interrupted call loses nothing, and the
-next one carries on.
+next one carries on. CPython handles a Ctrl-C only at a call, so each change
+of the groups is written without a call (an append is a slice assignment,
+``held`` emptied with ``del``), at most one call last. The index that finds
+a group with room (the first-fit tree, the best-fit list) follows the
+groups after each change and may be left behind by an interrupt: it may then
+show a closed group, or more room than a group has, never less, and the
+lookup checks what it finds against the groups and mends the entry; an
+emitted group's entry is left for the lookup to drop. The placements are
+those of an uninterrupted run.
 
 Both strategies cost O(log open groups) per item: best-fit bisects a list of
 ``(room, group id)`` kept sorted; first-fit descends a max-tree of room over
@@ -62,8 +70,8 @@ TOKENS_KEY = "tokens"
 DROPPED_KEY = "dropped"
 DRAINING_KEY = "draining"
 
-# An open group: [room left, items, first-fit slot].
-_ROOM, _ITEMS, _SLOT = 0, 1, 2
+# An open group: [room left, items].
+_ROOM, _ITEMS = 0, 1
 _COUNT = int_in(0, 2**63)
 
 
@@ -106,9 +114,12 @@ class _FirstFitTree:
         self.size = size
         self.tree = [-1] * (2 * size)
         self.ids: list[int] = [-1] * size
+        #: Each group's slot (entries of closed groups linger until a rebuild).
+        self.slot_of: dict[int, int] = {}
         self.next_slot = 0
 
-    def find(self, n: int) -> int | None:
+    def find_slot(self, n: int) -> int | None:
+        """The leftmost slot whose room (as the tree says) is >= n."""
         tree = self.tree
         if tree[1] < n:
             return None
@@ -117,7 +128,7 @@ class _FirstFitTree:
             i *= 2
             if tree[i] < n:
                 i += 1
-        return self.ids[i - size]
+        return i - size
 
     def set(self, slot: int, room: int) -> None:
         tree = self.tree
@@ -129,32 +140,35 @@ class _FirstFitTree:
             tree[i] = left if left >= right else right
             i >>= 1
 
-    def add(self, gid: int, room: int, groups: dict[int, list[Any]], order: deque[int]) -> int:
+    def add(self, gid: int, room: int, groups: dict[int, list[Any]], order: deque[int]) -> None:
         if self.next_slot == self.size:
             self.rebuild(groups, order)
         slot = self.next_slot
-        self.next_slot += 1
+        self.next_slot = slot + 1
         self.ids[slot] = gid
+        self.slot_of[gid] = slot
         self.set(slot, room)
-        return slot
 
     def rebuild(self, groups: dict[int, list[Any]], order: deque[int]) -> None:
+        """The open groups in slots ``0..k-1`` by age, built aside and put in
+        place at once (an interrupt leaves the old tree whole)."""
         size = self.size
-        self.tree = tree = [-1] * (2 * size)
-        self.ids = [-1] * size
+        tree = [-1] * (2 * size)
+        ids = [-1] * size
+        slot_of: dict[int, int] = {}
         slot = 0
         for gid in order:
             group = groups.get(gid)
-            if group is None:
+            if group is None or gid in slot_of:
                 continue
-            group[_SLOT] = slot
-            self.ids[slot] = gid
-            tree[size + slot] = group[_ROOM]
+            slot_of[gid] = slot
+            ids[slot] = gid
+            tree[size + slot] = group[_ROOM] if group[_ROOM] else -1
             slot += 1
-        self.next_slot = slot
         for i in range(size - 1, 0, -1):
             left, right = tree[2 * i], tree[2 * i + 1]
             tree[i] = left if left >= right else right
+        self.tree, self.ids, self.slot_of, self.next_slot = tree, ids, slot_of, slot
 
 
 class Pack(CentralNode[list[Any]]):
@@ -254,54 +268,97 @@ class Pack(CentralNode[list[Any]]):
         return n if type(n) is int and n >= 0 else as_length(n, self.name)
 
     def _find(self, n: int) -> int | None:
+        """The open group the strategy puts an item of length ``n`` in. The
+        index may be behind the groups after an interrupt (see the module
+        docstring): what it finds is checked, and a stale entry mended."""
+        groups = self._groups
         if self._best:
             rooms = self._by_room
-            i = bisect.bisect_left(rooms, (n, -1))
-            return rooms[i][1] if i < len(rooms) else None
-        assert self._tree is not None
-        return self._tree.find(n)
+            while True:
+                i = bisect.bisect_left(rooms, (n, -1))
+                if i == len(rooms):
+                    return None
+                room, gid = rooms[i]
+                group = groups.get(gid)
+                if group is not None and group[_ROOM] == room:
+                    return gid
+                del rooms[i]  # a closed group, or a room since used
+        tree = self._tree
+        assert tree is not None
+        while True:
+            slot = tree.find_slot(n)
+            if slot is None:
+                return None
+            gid = tree.ids[slot]
+            group = groups.get(gid)
+            # What the slot should show: the group's room, -1 when it is full,
+            # closed, or the slot is not its own (an add an interrupt cut short).
+            room = -1
+            if group is not None and tree.slot_of.get(gid) == slot and group[_ROOM]:
+                room = group[_ROOM]
+            if room >= n:
+                return gid
+            tree.set(slot, room)
 
-    # Placing and emitting make at most one Python call (the first-fit tree's),
-    # before they change anything: an interrupt (Ctrl-C) finds every group and
-    # the held item whole, and a full group leaves at the next call.
+    # Opening, placing and emitting write the groups without a call, and make
+    # at most one call after that; the index is updated around it (see the
+    # module docstring): an interrupt (Ctrl-C) finds every group and the held
+    # item whole, and a full group leaves at the next call.
 
     def _open(self, room: int, items: list[Any]) -> None:
         """A new group holding ``items`` with ``room`` left (the held item placed)."""
         gid = self._next_id
-        self._next_id = gid + 1
-        group: list[Any] = [room, items, -1]
+        group: list[Any] = [room, items]
+        count = len(items)
+        # Indexed before it is registered: an entry of a group never opened
+        # (an interrupt here) is dropped by _find.
         if not self._best:
             assert self._tree is not None
-            # Before the group is registered: a rebuild re-slots the others only.
-            group[_SLOT] = self._tree.add(gid, room if room else -1, self._groups, self._order)
+            self._tree.add(gid, room if room else -1, self._groups, self._order)
         elif room:  # a full group leaves at once; keep it out of the index
-            bisect.insort(self._by_room, (room, gid))
+            rooms = self._by_room
+            i = bisect.bisect_left(rooms, (room, gid))
+            rooms[i:i] = ((room, gid),)
+        held = self.held
+        # From here no call but the last.
+        self._next_id = gid + 1
         self._groups[gid] = group
-        self._order.append(gid)
-        self._buffered += len(items)
-        self.held.clear()
+        self._buffered += count
+        del held[:]
         if not room:
             self._full = gid
+        self._order.append(gid)
 
     def _place(self, gid: int, item: Any, n: int) -> None:
         """Put the held ``item`` (length ``n``) into open group ``gid``."""
         group = self._groups[gid]
+        items = group[_ITEMS]
+        k = len(items)
         old = group[_ROOM]
         new = old - n
-        if self._best:
-            rooms = self._by_room
-            del rooms[bisect.bisect_left(rooms, (old, gid))]
-            if new:
-                bisect.insort(rooms, (new, gid))
-        else:
-            assert self._tree is not None
-            self._tree.set(group[_SLOT], new if new else -1)
+        held = self.held
+        rooms = self._by_room
+        if self._best and new:
+            # The entry of the new room first: until the groups change it is
+            # one _find drops (not the group's room), after they have it is exact.
+            i = bisect.bisect_left(rooms, (new, gid))
+            rooms[i:i] = ((new, gid),)
+        # The groups, without a call: the item in its group, out of held.
         group[_ROOM] = new
-        group[_ITEMS].append(item)
+        items[k:] = (item,)
         self._buffered += 1
-        self.held.clear()
+        del held[:]
         if not new:
             self._full = gid
+        # Then the old entry goes (an interrupt leaves it: the tree's leaf or
+        # the list's entry shows the old, larger room, which _find mends).
+        if self._best:
+            j = bisect.bisect_left(rooms, (old, gid))
+            if j < len(rooms) and rooms[j] == (old, gid):
+                del rooms[j]
+        else:
+            assert self._tree is not None
+            self._tree.set(self._tree.slot_of[gid], new if new else -1)
 
     def _oldest(self) -> int:
         order, groups = self._order, self._groups
@@ -310,19 +367,17 @@ class Pack(CentralNode[list[Any]]):
         return order[0]
 
     def _emit(self, gid: int) -> list[Any]:
-        group = self._groups[gid]
+        """Group ``gid`` leaves. Its index entry stays, for _find to drop:
+        from the group's removal to the return there is no call."""
+        groups = self._groups
+        group = groups[gid]
         room, items = group[_ROOM], group[_ITEMS]
-        if not self._best:
-            assert self._tree is not None
-            self._tree.set(group[_SLOT], -1)
-        elif room:
-            rooms = self._by_room
-            del rooms[bisect.bisect_left(rooms, (room, gid))]
-        del self._groups[gid]
-        if len(self._order) > 4 * len(self._groups) + 64:
+        count = len(items)
+        if len(self._order) > 4 * (len(groups) - 1) + 64:
             # Closed groups behind a long-open one: drop their ids from the age order.
-            self._order = deque(filter(self._groups.__contains__, self._order))
-        self._buffered -= len(items)
+            self._order = deque(filter(groups.__contains__, self._order))
+        del groups[gid]
+        self._buffered -= count
         self._emitted += 1
         self._tokens += self._max - room
         self._full = -1

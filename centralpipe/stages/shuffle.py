@@ -3,6 +3,14 @@
 The buffer fills to ``buffer_size``; each output is a uniformly chosen buffered
 item, replaced by the next source item. The checkpoint holds the buffer and the
 generator state, so a resumed epoch continues the same permutation.
+
+The index is drawn as ``random.Random.randrange`` draws it (``getrandbits``
+of the buffer length's bit length, drawn again while too large), with each
+draw stored in the state (``draw``) by the C call that makes it, and the
+item leaves the buffer with no call between its removal and the return. A
+Ctrl-C (``KeyboardInterrupt``) therefore finds the generator and its last
+draw together, and the buffer whole: the next call uses that draw, and the
+permutation is the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -18,13 +26,14 @@ from torchdata.nodes import BaseNode
 from centralpipe.plan.pipeline import StageSpec
 from centralpipe.seeding import derive_seed
 from centralpipe.stages.base import CentralNode, RunContext, Total, pull_one
-from centralpipe.validators import FieldError, checked, sequence_of
+from centralpipe.validators import FieldError, checked, int_in, sequence_of
 
 __all__ = ["Shuffle", "ShuffleState"]
 
 BUFFER_KEY = "buffer"
 RNG_KEY = "rng"
 DRAINING_KEY = "draining"
+DRAW_KEY = "draw"
 
 
 def _rng_state(value: Any) -> random.Random:
@@ -51,6 +60,16 @@ class ShuffleState:
         validator=checked(FieldError, "a random.Random state [version, [ints], gauss]", _valid_rng)
     )
     draining: bool = attrs.field(validator=checked(FieldError, "a bool", v.instance_of(bool)))
+    #: A draw made and not yet used (a call cut short by an interrupt): [r],
+    #: else empty (and absent from the state).
+    draw: list[int] = attrs.field(
+        factory=list,
+        validator=checked(
+            FieldError,
+            "[] or [one int >= 0] (a draw not yet used)",
+            sequence_of(int_in(0)),
+        ),
+    )
 
 
 class Shuffle(CentralNode[Any]):
@@ -72,6 +91,8 @@ class Shuffle(CentralNode[Any]):
         self._buffer: list[Any] = []
         self._rng = random.Random(0)
         self._draining = False
+        #: The draw not yet used: [r] or [] (see the module docstring).
+        self._draw: list[int] = []
 
     def produce(self) -> Any:
         assert self.source is not None
@@ -83,31 +104,60 @@ class Shuffle(CentralNode[Any]):
                 self._draining = True
         if not buf:
             raise StopIteration
-        j = self._rng.randrange(len(buf))
-        buf[j], buf[-1] = buf[-1], buf[j]
-        return buf.pop()
+        n = len(buf)
+        k = n.bit_length()
+        draw, bits = self._draw, (k,)
+        while True:
+            if not draw:
+                # One C call draws and stores: no interrupt between the two.
+                draw.extend(map(self._rng.getrandbits, bits))
+            j = draw[-1]
+            if j < n:
+                break
+            del draw[-1]  # too large: drawn again, as randrange does
+        # From here to the return no call: the item leaves the buffer and the
+        # draw is used up together.
+        item = buf[j]
+        buf[j] = buf[-1]
+        del buf[-1]
+        del draw[-1]
+        return item
 
     def own_state(self) -> dict[str, Any]:
         version, internal, gauss = self._rng.getstate()
-        return {
+        state = {
             BUFFER_KEY: list(self._buffer),
             RNG_KEY: [version, list(internal), gauss],
             DRAINING_KEY: self._draining,
         }
+        if self._draw:
+            state[DRAW_KEY] = list(self._draw)
+        return state
 
     def restore(self, state: dict[str, Any] | None) -> None:
         if state is None:
             self._buffer = []
             self._rng = random.Random(derive_seed(self.ctx.seed, self.ctx.epoch, self.name))
             self._draining = False
+            self._draw = []
             return
         self._buffer = list(state[BUFFER_KEY])
         self._rng = _rng_state(state[RNG_KEY])
         self._draining = state[DRAINING_KEY]
+        self._draw = [int(r) for r in state.get(DRAW_KEY, ())]
 
     def check_state(self, state: ShuffleState, states: Mapping[str, Any]) -> None:
         if len(state.buffer) > self._size:
             raise FieldError("buffer", f"at most buffer_size={self._size} items", state.buffer)
+        if state.draw:
+            # Drawn for the buffer as it is: getrandbits of its length's bits.
+            bits = len(state.buffer).bit_length()
+            if len(state.draw) > 1 or not state.buffer or state.draw[0] >= 1 << bits:
+                expected = (
+                    f"one int < 2**{bits} (drawn for the {len(state.buffer)} buffered items), "
+                    "and only with items buffered"
+                )
+                raise FieldError("draw", expected, state.draw)
 
     def max_items_out(self, state: ShuffleState, bound_in: int | None) -> int | None:
         return bound_in

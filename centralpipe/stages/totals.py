@@ -25,6 +25,21 @@ home), each worker kind's is in ``pipeline.WORKER_KINDS``; sources and
   theirs are); ``first_exhausted`` that sum as an upper bound; ``never``
   endless, so unknown;
 - ``flat_map`` and sources without a length: unknown.
+
+:func:`weight_total` gives a ``count`` stage's summed weight per epoch
+(``loader.total(name, weight=True)``, a progress bar's end), where the plan
+alone tells it, never guessing:
+
+- no ``weight_fn``: the weight counts items, so it is the stage's item total;
+- ``weight_fn=len`` (the builtin) on the lists of a ``batch``,
+  ``bucket_by_max_tokens`` or ``pack`` (only ``count`` and ``shuffle`` stages
+  between, which pass the lists on unchanged): the items going into that
+  stage, as their total says (exact or an upper bound). ``batch`` with
+  ``drop_last`` keeps ``batch_size`` times its batches; a bucket with
+  ``min_len > 0`` or a ``max_len``, and ``pack(oversize="drop")``, may drop
+  items, so their sum is an upper bound set by that stage;
+- any other ``weight_fn`` (a ``lambda``, token lengths …), a stage inside a
+  ``mix``, or an unknown input total: unknown (``None``).
 """
 
 from __future__ import annotations
@@ -38,8 +53,12 @@ from centralpipe.stages.files import count_lines
 from centralpipe.stages.mix import Mix
 from centralpipe.stages.sources import FilesSource
 
-__all__ = ["Total", "chain_totals", "exact_length", "first_unknown"]
+__all__ = ["Total", "chain_totals", "exact_length", "first_unknown", "weight_total"]
 
+#: Stages between a grouping stage and a count that pass its lists on unchanged.
+SAME_ITEMS = ("count", "shuffle")
+#: Stages whose outputs are lists of their inputs.
+GROUPING = ("batch", "bucket_by_max_tokens", "pack")
 #: Stages between from_files and read_lines that keep the set of paths.
 SAME_PATHS = ("count", "shuffle")
 SUBSET_PATHS = ("filter", "shard")
@@ -156,3 +175,38 @@ def exact_length(totals: dict[str, Total | None], names: Sequence[str]) -> int:
         )
         raise TypeError(msg)
     return total.items
+
+
+def weight_total(
+    specs: Sequence[StageSpec], totals: dict[str, Total | None], name: str
+) -> Total | None:
+    """The summed weight ``count`` stage ``name`` reaches in one epoch, when
+    the plan tells it (see the module docstring), else ``None``. ``totals``
+    are :func:`chain_totals` of the same plan; ``Total.items`` holds the sum."""
+    at = next((i for i, spec in enumerate(specs) if spec.name == name), None)
+    if at is None:  # inside a mix: its stages' lists are not followed here
+        return None
+    count = specs[at]
+    if count.fn is None:
+        return totals.get(name)
+    if count.fn is not len:
+        return None
+    j = at - 1
+    while j > 0 and specs[j].kind in SAME_ITEMS:
+        j -= 1
+    group = specs[j]
+    if j < 1 or group.kind not in GROUPING or group.parallel:
+        return None
+    into = totals.get(specs[j - 1].name)
+    if into is None:
+        return None
+    options = group.options
+    if group.kind == "batch":
+        if not options["drop_last"]:
+            return into
+        size = options["batch_size"]
+        return Total(into.items // size * size, into.exact, into.bound_by)
+    if group.kind == "bucket_by_max_tokens":
+        drops = options["min_len"] > 0 or options["max_len"] is not None
+        return into.at_most(group.name) if drops else into
+    return into.at_most(group.name) if options["oversize"] == "drop" else into

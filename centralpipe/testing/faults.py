@@ -60,7 +60,19 @@ T = TypeVar("T")
 MAX_EVENTS = 5_000
 #: Keys whose values are user data (items, buffers, RNG state): never damaged.
 PAYLOAD_KEYS = frozenset(
-    {"items", "buffer", "heap", "batch", "held", "pending", "round", "queue", "rng", "stamps"}
+    {
+        "items",
+        "buffer",
+        "heap",
+        "batch",
+        "held",
+        "ready",
+        "pending",
+        "round",
+        "queue",
+        "rng",
+        "stamps",
+    }
 )
 #: Keys of lists of ``[room, [items]]`` (``pack``'s open groups): the rooms are
 #: checked, the items are user data.

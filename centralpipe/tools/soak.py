@@ -1,4 +1,4 @@
-"""``python -m centralpipe soak --minutes N``: a long randomized fault run.
+"""``python -m centralpipe soak --minutes N [--epochs E]``: a long randomized fault run.
 
 Round after round it builds a loader over a random pipeline (``batch``,
 ``bucket_by_max_tokens`` or ``pack`` groups, sometimes a central map and
@@ -20,8 +20,17 @@ ones with another worker count. On top of that, seeded from ``--seed``
   with a good checkpoint pending and into loaders mid-iteration: each must
   raise ``CheckpointError`` and leave the loader as it was.
 
+The worker stages' functions live in :mod:`centralpipe.tools.soak_stages`,
+which imports neither torch nor the library, so a worker that replaces a
+killed one starts in milliseconds.
+
 Every epoch's delivered items are compared with an uninterrupted
-single-process run: items lost and duplicated must both be 0. A round that
+single-process run: items lost and duplicated must both be 0. It runs for
+``--minutes``, or until ``--epochs`` rounds are done if that comes first (a
+fixed amount of work, as the test uses). The summary counts the kills made
+from outside and from inside (one marker file per kill) and the interrupts
+that landed and missed in each place, so a run whose faults stopped landing
+shows it. A round that
 takes longer than ``ROUND_TIMEOUT_S`` is a hang: every thread's stack is
 printed and the run ends. At the end it prints the totals, every problem
 found, and the open file descriptors, child processes and threads before and
@@ -49,11 +58,10 @@ from typing import Any
 
 import centralpipe as cp
 from centralpipe.testing import faults
+from centralpipe.tools.soak_stages import chaos, keep, same, size, unbatch
 
 __all__ = ["main"]
 
-#: Items whose chaos stage raises (deterministically): skipped, not lost.
-RAISE_MOD, RAISE_AT = 97, 13
 #: Chance, per loader, of an interrupt in one ``next()`` (30 % of them in the
 #: first, which starts the workers), in ``state_dict()`` and in ``close()``.
 P_INTERRUPT_ITER, P_INTERRUPT_STATE, P_INTERRUPT_CLOSE = 0.5, 0.5, 0.5
@@ -70,37 +78,6 @@ ROUND_TIMEOUT_S = 300.0
 CLOSE_WAIT_S = 10.0
 #: Problems listed in the summary, at most.
 MAX_PROBLEMS = 20
-
-
-def unbatch(batch: list[int]) -> list[int]:
-    return batch
-
-
-def chaos(x: int, *, main_pid: int, marker_dir: str, kill_mod: int) -> int:
-    """Raise on some items always; kill the worker on others, once each."""
-    if x % RAISE_MOD == RAISE_AT:
-        raise RuntimeError(f"soak: planned failure on {x}")
-    if os.getpid() != main_pid and kill_mod and x % kill_mod == 0:
-        marker = os.path.join(marker_dir, str(x))
-        try:
-            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            return x
-        os.close(fd)
-        os.kill(os.getpid(), signal.SIGKILL)
-    return x
-
-
-def same(x: int) -> int:
-    return x
-
-
-def keep(x: int) -> bool:
-    return x % 11 != 5
-
-
-def size(x: int) -> int:
-    return x % 5 + 1
 
 
 def _pipeline(n: int, shuffle: int, batch: int, fn: Any, rng: random.Random) -> cp.Pipeline:
@@ -209,7 +186,9 @@ def _children() -> list[int]:
 class Totals:
     def __init__(self) -> None:
         self.rounds = self.delivered = self.lost = self.duplicated = self.misordered = 0
-        self.restarts = self.skipped = self.resumes = self.outside_kills = self.closed_mid_epoch = 0
+        self.restarts = self.skipped = self.resumes = self.closed_mid_epoch = 0
+        self.outside_kills = 0  # workers the soak SIGKILLed from the main process
+        self.inside_kills = 0  # workers whose chaos stage SIGKILLed itself
         self.continued = 0  # iterators that went on after an interrupt in next()
         self.refused: Counter[str] = Counter()  # damaged checkpoints, by kind of defect
         self.leaked_workers = 0
@@ -393,6 +372,7 @@ def _one_round(rng: random.Random, totals: Totals, tmp: Path, inject: faults.Int
         cfg = _config(rng, rng.choice([0, 1, 2, 3]))
         cfg = cp.LoaderConfig(workers=cfg.workers, seed=first.seed)
     totals.rounds += 1
+    totals.inside_kills += len(os.listdir(marker_dir))  # one marker per kill
     totals.delivered += len(got)
     want, have = Counter(expected), Counter(got)
     totals.lost += sum((want - have).values())
@@ -419,12 +399,29 @@ def _interrupt_line(inject: faults.Interrupts) -> str:
     return ", ".join(parts)
 
 
+def _epoch_count(text: str) -> int:
+    """``--epochs``: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1 (epochs to run), got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m centralpipe soak", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--minutes", type=float, default=5.0, help="how long to run (default 5)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--epochs",
+        type=_epoch_count,
+        default=None,
+        help="stop after this many epochs (rounds), or at --minutes if that comes first",
+    )
     parser.add_argument(
         "--no-interrupts",
         action="store_true",
@@ -449,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.minutes * 60
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and (args.epochs is None or totals.rounds < args.epochs):
             # A round that takes this long is a hang: every thread's stack is
             # printed and the process exits (no result is better than none).
             _watchdog(ROUND_TIMEOUT_S)
@@ -467,7 +464,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  items lost      : {totals.lost}")
     print(f"  duplicates      : {totals.duplicated}")
     print(f"  wrong order     : {totals.misordered} epochs")
-    print(f"  worker restarts : {totals.restarts} ({totals.outside_kills} kills from outside)")
+    print(f"  worker restarts : {totals.restarts}")
+    print(
+        f"  kills           : {totals.outside_kills} from outside, "
+        f"{totals.inside_kills} from inside (the worker stage)"
+    )
     print(f"  skipped (raised): {totals.skipped}")
     print(
         f"  resumes         : {totals.resumes} ({totals.closed_mid_epoch} loaders closed mid-epoch)"

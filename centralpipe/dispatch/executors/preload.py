@@ -11,9 +11,12 @@ They need it when a worker stage's function comes from torch (e.g. the
 default ``collate``), uses a seeded ``torch.Generator`` (``with_rng=True``),
 or comes from a module that imports torch. That last point is read in this
 process, where those modules are imported already: from the function's module,
-through the modules its globals refer to, transitively (the standard library
-and the ``centralpipe`` package's own ``__init__``, whose names load lazily,
-are not followed). A module that imports torch only inside a function is not
+through the modules its globals refer to and the packages above each of them
+(importing ``a.b.c`` runs ``a/__init__.py`` and ``a/b/__init__.py`` first),
+transitively (the standard library and the ``centralpipe`` package's own
+``__init__``, whose names load lazily, are not followed). A function in
+``mylib.fns`` whose ``mylib/__init__.py`` imports torch needs torch as much
+as one whose own module does. A module that imports torch only inside a function is not
 seen; its workers then import torch at the first call, which is correct, only
 slower. Items that hold tensors make a worker import torch when it first
 receives one, whatever was preloaded.
@@ -87,20 +90,33 @@ def _reaches_torch(roots: Iterable[str]) -> bool:
         module = sys.modules.get(name)
         if module is None:
             continue
-        queue.extend(ref for ref in _references(module) if ref not in seen)
+        queue.extend(ref for ref in (*_parents(name), *_references(module)) if ref not in seen)
     return False
 
 
+def _parents(name: str) -> list[str]:
+    """The packages importing ``name`` imports first: ``a``, ``a.b`` for ``a.b.c``."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
 def _references(module: types.ModuleType) -> list[str]:
-    """Names of the modules ``module``'s globals come from."""
+    """Names of the modules ``module``'s globals come from.
+
+    A package's own submodules are left out: the import system sets each one
+    as an attribute of the package once anything imports it, so they say what
+    this process imported, not what importing the package imports."""
     out: list[str] = []
     try:
         values = list(vars(module).values())
     except TypeError:  # pragma: no cover - a module without a __dict__
         return out
+    inside = module.__name__ + "."
     for value in values:
         if isinstance(value, types.ModuleType):
             ref = value.__name__
+            if ref.startswith(inside):
+                continue
         elif isinstance(value, type | types.FunctionType | types.BuiltinFunctionType):
             ref = value.__module__
         else:

@@ -15,6 +15,7 @@ chain-lock bound is lowered so a lock left held fails fast, not hangs).
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import itertools
 import os
@@ -161,11 +162,18 @@ class Signals:
     def rounds(self, n: int, step: Callable[[], None]) -> None:
         pid = os.getpid()
         for _ in range(n):
-            timer = threading.Timer(self.rng.uniform(0, MAX_DELAY_S), os.kill, (pid, signal.SIGINT))
+            # A bare thread, not a threading.Timer: starting a Timer waits on a
+            # Python-level Condition, where a SIGINT sent at once (a delay near
+            # 0, or a slow start under load) breaks the harness itself
+            # ("release unlocked lock") instead of landing in the code tested.
+            fired: list[bool] = []
+            cancelled: list[bool] = []
+            delay = self.rng.uniform(0, MAX_DELAY_S)
             try:
                 try:
-                    timer.start()
-                    while not timer.finished.is_set():
+                    # A C call: a SIGINT is handled as it returns, the thread started.
+                    _thread.start_new_thread(_kill_later, (delay, pid, fired, cancelled))
+                    while not fired:
                         step()
                     _wait(SURFACE_S)
                     self.swallowed += 1
@@ -173,14 +181,25 @@ class Signals:
                     self.landed += 1
             except BaseException:
                 # A failed check: no SIGINT may reach the test runner.
-                timer.cancel()
+                cancelled.append(True)
                 try:
-                    _wait(SURFACE_S)
+                    _wait(SURFACE_S + MAX_DELAY_S)
                 except KeyboardInterrupt:
                     pass
                 raise
-            timer.join(10)
-            assert not timer.is_alive()
+            deadline = time.monotonic() + 10
+            while not fired and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert fired
+
+
+def _kill_later(delay: float, pid: int, fired: list[bool], cancelled: list[bool]) -> None:
+    """The timer thread of one round: SIGINT to ``pid`` after ``delay`` s
+    unless the round was cancelled, then ``fired`` (set even if cancelled)."""
+    time.sleep(delay)
+    if not cancelled:
+        os.kill(pid, signal.SIGINT)
+    fired.append(True)
 
 
 def _wait(seconds: float) -> None:

@@ -149,6 +149,13 @@ class WorkerConfig:
             be stopped), for stateful worker stages (their state would be
             split), with ``fork`` (workers start in milliseconds) or the
             thread executor.
+        flat_arrays: on by default: a list of 1-D numpy arrays or tensors of
+            one dtype (a chunk of a tokenizer's outputs on the way back from
+            the workers; a bucket or batch of them on the way to the worker
+            stages) crosses as one flat buffer plus offsets instead of one
+            pickle per array; each item arrives as a view of that buffer,
+            with the same type, dtype, values and writability. Off: every
+            array is pickled on its own (same items, same checkpoints).
     """
 
     num_workers: int = attrs.field(default=0, validator=_int(0))
@@ -171,6 +178,7 @@ class WorkerConfig:
         default=DEFAULT_SHARED_MEMORY_BYTES, validator=_shared_memory_bytes
     )
     start_inline: bool = attrs.field(default=False, validator=_instance(bool))
+    flat_arrays: bool = attrs.field(default=True, validator=_instance(bool))
 
     def resolved_start_method(self) -> str:
         """The start method workers use: the configured one or the default."""

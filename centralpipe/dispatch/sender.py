@@ -100,7 +100,14 @@ def encode_chunk(run_id: int, s: Stream, chunk: Chunk) -> protocol.Encoded:
 
     def message(items: list[Any]) -> tuple[Any, ...]:
         return protocol.chunk_message(
-            run_id, s.stream_id, chunk, s.epoch, items, run_skip(chunk), s.rng_key(chunk)
+            run_id,
+            s.stream_id,
+            chunk,
+            s.epoch,
+            items,
+            run_skip(chunk),
+            s.rng_key(chunk),
+            s.chain.flat_arrays,
         )
 
     try:

@@ -37,9 +37,12 @@ def is_stateful(fn: Any) -> bool:
 class WorkerChain:
     """Runs the worker stages (``map``/``filter``/``flat_map``/``collate``)."""
 
-    def __init__(self, specs: Sequence[StageSpec], seed: int) -> None:
+    def __init__(self, specs: Sequence[StageSpec], seed: int, flat_arrays: bool = True) -> None:
         self.specs = tuple(specs)
         self.seed = seed
+        #: Lists of 1-D arrays cross as one buffer plus offsets (``wire.tokens``):
+        #: a chunk's outputs on the way back, and each item on the way in.
+        self.flat_arrays = flat_arrays
         self._stages = [(s.kind, s.name, s.fn, bool(s.options.get("with_rng"))) for s in specs]
         # 1:1 chains (only maps/collates) skip the per-input output counts.
         self.one_to_one = all(WORKER_KINDS[kind].outputs == "one" for kind, *_ in self._stages)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from centralpipe import checkpoint
-from centralpipe.checkpoint import FORMAT_VERSION
+from centralpipe.checkpoint import FORMAT_VERSION, compact
 from centralpipe.dispatch.boundary import StreamPlan, empty_segment_entry
 from centralpipe.dispatch.wire.protocol import InFlight
 from centralpipe.plan.pipeline import WORKER_KINDS, Pipeline
@@ -148,7 +148,7 @@ def delivered(resume: dict[str, Any]) -> int:
 def _plan(flight: dict[str, Any]) -> StreamPlan:
     resume = InFlight(
         flight["first_seq"],
-        list(flight["items"]),
+        compact.decode_items(flight["items"]),
         None if flight.get("stamps") is None else list(flight["stamps"]),
         flight["skip_outputs"],
         flight["skip"],
@@ -166,7 +166,8 @@ def copy_state(sd: Any) -> dict[str, Any]:
     """A copy of the checkpoint's containers (items themselves are shared)."""
     out = dict(sd)
     out["in_flight"] = {
-        name: {**flight, "items": list(flight["items"])} for name, flight in sd["in_flight"].items()
+        name: {**flight, "items": compact.copy_items(flight["items"])}
+        for name, flight in sd["in_flight"].items()
     }
     out["central"] = dict(sd["central"])
     return out

@@ -42,6 +42,7 @@ import cattrs
 from attrs import validators as v
 from cattrs.gen import make_dict_structure_fn
 
+from centralpipe.checkpoint import compact
 from centralpipe.errors import CheckpointError
 from centralpipe.validators import NUMBER, FieldError, checked, int_in, sequence_of, short_repr
 
@@ -51,6 +52,7 @@ __all__ = [
     "Checkpoint",
     "Distributed",
     "Position",
+    "decoded_items",
     "structure",
     "structure_state",
     "unstructure",
@@ -63,6 +65,18 @@ INT64_END = 2**63
 SEED_END = 2**64
 
 T = TypeVar("T")
+
+
+def decoded_items(field: str, value: Any) -> Any:
+    """The list a field's value stands for when it is saved compact
+    (:mod:`centralpipe.checkpoint.compact`); other values as they are (the
+    field's validator judges them)."""
+    if not compact.is_compact(value):
+        return value
+    try:
+        return compact.decode_items(value)
+    except ValueError as exc:
+        raise FieldError(field, f"a list or a readable compact list ({exc})", value) from None
 
 
 def _count(name: str = "an int >= 0") -> Any:
@@ -126,7 +140,10 @@ class Boundary:
 
     next_seq: int = attrs.field(validator=_count())
     first_seq: int = attrs.field(validator=_count())
-    items: list[Any] = attrs.field(validator=checked(FieldError, "a list", sequence_of()))
+    items: list[Any] = attrs.field(
+        converter=lambda value: decoded_items("items", value),
+        validator=checked(FieldError, "a list", sequence_of()),
+    )
     stamps: list[Any] | None = attrs.field(
         validator=checked(
             FieldError, f"None or a list of stamps ({STAMP_TEXT})", v.optional(sequence_of(STAMP))

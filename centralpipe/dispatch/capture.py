@@ -18,11 +18,28 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from centralpipe.checkpoint.compact import join_parts, pack_part, part_of_flats
 from centralpipe.dispatch.guard import Holding
 from centralpipe.dispatch.wire.protocol import Chunk
 from centralpipe.stages import CentralNode
 
 __all__ = ["Capture"]
+
+
+def _chunk_part(chunk: Chunk) -> Any:
+    """The checkpoint form of a whole chunk's items (``checkpoint.compact``),
+    made once: from the flat buffers it was sent with when it has them."""
+    n = len(chunk.items)
+    cached = chunk.state_part
+    if cached is not None and cached[0] == n:
+        return cached[1]
+    flats = chunk.flats
+    part = part_of_flats(flats) if flats is not None and len(flats) == n else None
+    if part is None:
+        part = pack_part(chunk.items)
+    if chunk.closed:  # its items are final
+        chunk.state_part = (n, part)
+    return part
 
 
 class Capture:
@@ -95,7 +112,7 @@ class Capture:
     def capture_unlocked(self) -> dict[str, Any]:
         """:meth:`capture` for a caller that holds the lock of the stream
         downstream (a parallel stage's stream is only changed under it)."""
-        items: list[Any] = []
+        parts: list[Any] = []
         stamps: list[Any] | None = [] if self._stamped else None
         skip: list[int] = []
         first_seq = self.next_seq
@@ -115,15 +132,15 @@ class Capture:
                 first = False
                 if chunk.skip_first and j == 0:
                     skip_outputs += chunk.skip_first
-            items.extend(chunk.items[start:])
+            parts.append(_chunk_part(chunk) if start == 0 else pack_part(chunk.items[start:]))
             if stamps is not None and chunk.stamps is not None:
                 stamps.extend(chunk.stamps[start:])
             skip.extend(chunk.first_seq + i for i in chunk.skip if i >= start)
         if self._resume:
             if first:
                 first_seq = self._resume[0][0]
-            for seq, item, stamp in self._resume:
-                items.append(item)
+            parts.append(pack_part([item for _, item, _ in self._resume]))
+            for seq, _, stamp in self._resume:
                 if stamps is not None:
                     stamps.append(stamp)
                 if seq in self._resume_skip:
@@ -136,7 +153,7 @@ class Capture:
             "next_seq": self.next_seq,
             "in_flight": {
                 "first_seq": first_seq,
-                "items": items,
+                "items": join_parts(parts),
                 "stamps": stamps,
                 "skip_outputs": skip_outputs,
                 "skip": skip,

@@ -28,6 +28,8 @@ import attrs
 from attrs import validators as v
 from torchdata.nodes import BaseNode
 
+from centralpipe.checkpoint import compact
+from centralpipe.checkpoint.model import decoded_items
 from centralpipe.plan.pipeline import StageSpec
 from centralpipe.stages.base import HELD, CentralNode, HeldState, RunContext, Total, pull_one
 from centralpipe.stages.measures import as_length
@@ -41,6 +43,15 @@ BATCH_TOKENS_KEY = "batch_tokens"
 BATCH_MAX_KEY = "batch_max_len"
 ARRIVALS_KEY = "arrivals"
 DRAINING_KEY = "draining"
+#: The int columns of a heap saved compact (``checkpoint.compact``).
+HEAP_COLUMNS = ("length", "arrival")
+
+
+def _heap(value: Any) -> Any:
+    try:
+        return compact.decode_keyed(value, HEAP_COLUMNS)
+    except ValueError as exc:
+        raise FieldError(HEAP_KEY, f"a list or a readable compact heap ({exc})", value) from None
 
 
 _COUNT = int_in(0, 2**63)
@@ -55,12 +66,20 @@ def _heap_entry(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
 
 @attrs.frozen(kw_only=True)
 class BucketState:
+    """The heap ``[[length, arrival, item], ...]`` (saved compact as
+    ``{"length": tensor, "arrival": tensor, "items": ...}`` when the items are
+    1-D arrays: ``checkpoint.compact``), the batch being filled and counters."""
+
     heap: list[Any] = attrs.field(
+        converter=_heap,
         validator=checked(
             FieldError, "a list of [length, arrival, item] entries", sequence_of(_heap_entry)
-        )
+        ),
     )
-    batch: list[Any] = attrs.field(validator=checked(FieldError, "a list", sequence_of()))
+    batch: list[Any] = attrs.field(
+        converter=lambda value: decoded_items(BATCH_KEY, value),
+        validator=checked(FieldError, "a list", sequence_of()),
+    )
     batch_tokens: int = attrs.field(validator=checked(FieldError, "an int >= 0", _COUNT))
     batch_max_len: int = attrs.field(validator=checked(FieldError, "an int >= 0", _COUNT))
     arrivals: int = attrs.field(validator=checked(FieldError, "an int >= 0", _COUNT))
@@ -230,8 +249,8 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
 
     def own_state(self) -> dict[str, Any]:
         state = {
-            HEAP_KEY: list(self._heap),
-            BATCH_KEY: list(self._batch),
+            HEAP_KEY: compact.encode_keyed(self._heap, HEAP_COLUMNS),
+            BATCH_KEY: compact.encode_items(self._batch),
             BATCH_TOKENS_KEY: self._batch_tokens,
             BATCH_MAX_KEY: self._batch_max,
             ARRIVALS_KEY: self._arrivals,
@@ -258,9 +277,10 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
         self.restore_held(state)
         if state is None:
             return
-        self._heap = [(int(n), int(i), item) for n, i, item in state[HEAP_KEY]]
+        heap = compact.decode_keyed(state[HEAP_KEY], HEAP_COLUMNS)
+        self._heap = [(int(n), int(i), item) for n, i, item in heap]
         heapq.heapify(self._heap)
-        self._batch = list(state[BATCH_KEY])
+        self._batch = compact.decode_items(state[BATCH_KEY])
         self._batch_tokens = int(state[BATCH_TOKENS_KEY])
         self._batch_max = int(state[BATCH_MAX_KEY])
         self._arrivals = int(state[ARRIVALS_KEY])

@@ -170,6 +170,7 @@ class Chunk:
         "cid",
         "closed",
         "first_seq",
+        "flats",
         "held_bytes",
         "items",
         "per_item",
@@ -181,6 +182,7 @@ class Chunk:
         "skip_first",
         "slot",
         "stamps",
+        "state_part",
         "unsendable",
     )
 
@@ -203,6 +205,10 @@ class Chunk:
         self.pinned: Any = None  # a Future of the pinned outputs (pin_memory=True)
         self.per_item = False  # items and outputs sealed one by one (see above)
         self.held_bytes = 0  # bytes its result holds until delivered (dispatch.budget)
+        # The items as sent when each is a list of arrays (wire.tokens), and
+        # their checkpoint form once made (checkpoint.compact): (item count, part).
+        self.flats: list[tokens.Flat] | None = None
+        self.state_part: tuple[int, Any] | None = None
 
 
 class InFlight:
@@ -314,6 +320,8 @@ def chunk_message(
     tensors travels as one buffer plus offsets (:mod:`~centralpipe.dispatch.wire.tokens`)."""
     if flat_groups:
         items = [_flat_or_same(x) for x in items]
+        if items and all(type(x) is tokens.Flat for x in items) and len(items) == len(chunk.items):
+            chunk.flats = items
     sealed: Any = (
         [transport.Sealed(x) for x in items] if chunk.per_item else transport.Sealed(items)
     )

@@ -75,9 +75,10 @@ def _ends(items: list[Any]) -> Any:
     return np.cumsum(ends, out=ends)
 
 
-def flatten(items: Any) -> Flat | None:
-    """``items`` as a :class:`Flat` when it qualifies (see the module), else ``None``."""
-    if type(items) is not list or len(items) < MIN_ITEMS:
+def flatten(items: Any, min_items: int = MIN_ITEMS) -> Flat | None:
+    """``items`` as a :class:`Flat` when it qualifies (see the module; at
+    least ``min_items`` items), else ``None``."""
+    if type(items) is not list or len(items) < max(1, min_items):
         return None
     types = set(map(type, items))
     if len(types) != 1:
@@ -92,17 +93,19 @@ def flatten(items: Any) -> Flat | None:
 
 
 def _flatten_numpy(items: list[Any]) -> Flat | None:
-    dtypes = set(map(_dtype, items))
-    if len(dtypes) != 1 or set(map(_ndim, items)) != {1}:
-        return None
-    dtype = dtypes.pop()
+    dtype = items[0].dtype
     if dtype.char not in NUMPY_DTYPES or not dtype.isnative or dtype.metadata is not None:
         return None
-    writeable = set(map(_writeable, items))
-    if len(writeable) != 1:
+    try:  # casting="no": an item of another dtype or byte order raises
+        flat = np.concatenate(items, dtype=dtype, casting="no")
+    except (TypeError, ValueError):  # other dtypes, 0-d or mixed dimensions
         return None
-    flat = np.concatenate(items)
-    return Flat(_NUMPY, flat, _ends(items), writeable.pop())
+    if flat.ndim != 1:
+        return None
+    writeable = bool(items[0].flags.writeable)
+    if not all(map(_writeable, items)) if writeable else any(map(_writeable, items)):
+        return None
+    return Flat(_NUMPY, flat, _ends(items), writeable)
 
 
 def _flatten_torch(items: list[Any], torch: Any) -> Flat | None:

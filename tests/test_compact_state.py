@@ -139,7 +139,7 @@ def test_plain_lists_stay_plain() -> None:
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_bucket_buffer_and_in_flight_groups_are_compact(workers: int) -> None:
-    """Mid-epoch, the bucket's heap and in-flight buckets are flat tensors; weights_only reads them."""
+    """Mid-epoch, the heap and the in-flight buckets are flat tensors; weights_only reads them."""
     pipe, cfg = _pipe(), _cfg(workers)
     head, sd = _mid_epoch_state(pipe, cfg, 3)
     heap = sd["central"][BUCKET]["heap"]

@@ -47,8 +47,13 @@ def _same(batch: list[int]) -> list[int]:
     return batch
 
 
+def _one(x: int) -> int:
+    return 1
+
+
 #: "stages": central stages that pull item by item in the caller's thread
-#: (map, count, batch, flat_map), each taking inputs through ``pull_one``.
+#: (map, count, batch, flat_map), each taking inputs through ``pull_one``;
+#: "regroup": a bucket and a batch, which pull inputs in bulk (``pull_into``).
 KINDS = {
     "inline": (0, lambda p: p.dispatch().map(_times2)),
     "stages": (
@@ -57,6 +62,18 @@ KINDS = {
     ),
     "workers": (2, lambda p: p.dispatch().map(_times2)),
     "parallel": (2, lambda p: p.map(_times2, parallel=True).dispatch()),
+    # bulk pulls: a bucket of unit lengths keeps arrival order, a batch its group
+    "regroup": (
+        0,
+        lambda p: (
+            p.map(_times2)
+            .bucket_by_max_tokens(4, len_fn=_one, buffer_size=16)
+            .flat_map(_same)
+            .batch(3)
+            .flat_map(_same)
+            .dispatch()
+        ),
+    ),
 }
 SOURCE = "source"
 

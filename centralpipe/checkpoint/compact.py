@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from centralpipe.dispatch.wire.tokens import Flat, flatten, unflatten
+from centralpipe.validators import FieldError
 
 __all__ = [
     "COMPACT_KEY",
@@ -43,6 +44,7 @@ __all__ = [
     "count_items",
     "decode_items",
     "decode_keyed",
+    "decoded_items",
     "encode_items",
     "encode_keyed",
     "encode_parts",
@@ -252,6 +254,18 @@ def _decode_part(part: Any) -> list[Any]:
     if bounds[-1:] != [len(leaves)]:
         raise ValueError(f"compact groups hold {bounds[-1:]} arrays, the part has {len(leaves)}")
     return [leaves[a:b] for a, b in zip([0, *bounds[:-1]], bounds)]
+
+
+def decoded_items(field: str, value: Any) -> Any:
+    """A checkpoint model field's converter: the list a compact value stands
+    for (a ``FieldError`` naming ``field`` when it is damaged); any other
+    value as it is, for the field's validator to judge."""
+    if not _is_encoded(value):
+        return value
+    try:
+        return decode_items(value)
+    except ValueError as exc:
+        raise FieldError(field, f"a list or a readable compact list ({exc})", value) from None
 
 
 def decode_items(value: Any) -> list[Any]:

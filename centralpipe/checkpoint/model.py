@@ -52,7 +52,6 @@ __all__ = [
     "Checkpoint",
     "Distributed",
     "Position",
-    "decoded_items",
     "structure",
     "structure_state",
     "unstructure",
@@ -65,18 +64,6 @@ INT64_END = 2**63
 SEED_END = 2**64
 
 T = TypeVar("T")
-
-
-def decoded_items(field: str, value: Any) -> Any:
-    """The list a field's value stands for when it is saved compact
-    (:mod:`centralpipe.checkpoint.compact`); other values as they are (the
-    field's validator judges them)."""
-    if not compact.is_compact(value):
-        return value
-    try:
-        return compact.decode_items(value)
-    except ValueError as exc:
-        raise FieldError(field, f"a list or a readable compact list ({exc})", value) from None
 
 
 def _count(name: str = "an int >= 0") -> Any:
@@ -141,7 +128,7 @@ class Boundary:
     next_seq: int = attrs.field(validator=_count())
     first_seq: int = attrs.field(validator=_count())
     items: list[Any] = attrs.field(
-        converter=lambda value: decoded_items("items", value),
+        converter=lambda value: compact.decoded_items("items", value),
         validator=checked(FieldError, "a list", sequence_of()),
     )
     stamps: list[Any] | None = attrs.field(

@@ -11,11 +11,16 @@ an ``int >= 0`` (a numpy integer or a one-element integer tensor is made one);
 anything else — a float, ``nan``, a negative number, a ``str`` — is a
 ``PipelineError`` naming the stage (:mod:`centralpipe.stages.measures`).
 
-Both keep what they pulled in their state, never in a local variable across a
-call that an interrupt (Ctrl-C) can cut short: ``batch`` gathers its group in
-``held``, ``bucket_by_max_tokens`` holds an item while ``len_fn`` runs. The
-next ``next()`` carries on from there, and a checkpoint taken meanwhile
-records it.
+Both pull in bulk (``pull_into``: a parallel stage before them hands over a
+whole chunk's outputs at once): ``batch`` the rest of its group, the bucket
+``PULL_BULK`` inputs ahead. Both keep what they pulled in their state, never
+in a local variable across a call that an interrupt (Ctrl-C) can cut short:
+``batch`` gathers its group in ``held``; the bucket keeps the inputs it pulled
+and has not pushed yet in ``held`` (a ``len_fn`` that raises drops its input
+only; the ones after it stay held). The next ``next()`` carries on from
+there, and a checkpoint taken meanwhile records it. The heap, the batch and
+the held inputs are saved compact when they are 1-D arrays
+(:mod:`centralpipe.checkpoint.compact`).
 """
 
 from __future__ import annotations
@@ -29,9 +34,16 @@ from attrs import validators as v
 from torchdata.nodes import BaseNode
 
 from centralpipe.checkpoint import compact
-from centralpipe.checkpoint.model import decoded_items
 from centralpipe.plan.pipeline import StageSpec
-from centralpipe.stages.base import HELD, CentralNode, HeldState, RunContext, Total, pull_one
+from centralpipe.stages.base import (
+    HELD,
+    CentralNode,
+    HeldState,
+    RunContext,
+    Total,
+    held_items,
+    pull_one,
+)
 from centralpipe.stages.measures import as_length
 from centralpipe.validators import FieldError, checked, int_in, sequence_of
 
@@ -43,6 +55,10 @@ BATCH_TOKENS_KEY = "batch_tokens"
 BATCH_MAX_KEY = "batch_max_len"
 ARRIVALS_KEY = "arrivals"
 DRAINING_KEY = "draining"
+#: A batch made and not handed out yet (present only then, after an interrupt).
+READY_KEY = "ready"
+#: Inputs a bucket pulls from its source at once (held until pushed).
+PULL_BULK = 64
 #: The int columns of a heap saved compact (``checkpoint.compact``).
 HEAP_COLUMNS = ("length", "arrival")
 
@@ -77,14 +93,19 @@ class BucketState:
         ),
     )
     batch: list[Any] = attrs.field(
-        converter=lambda value: decoded_items(BATCH_KEY, value),
+        converter=lambda value: compact.decoded_items(BATCH_KEY, value),
         validator=checked(FieldError, "a list", sequence_of()),
     )
     batch_tokens: int = attrs.field(validator=checked(FieldError, "an int >= 0", _COUNT))
     batch_max_len: int = attrs.field(validator=checked(FieldError, "an int >= 0", _COUNT))
     arrivals: int = attrs.field(validator=checked(FieldError, "an int >= 0", _COUNT))
     draining: bool = attrs.field(validator=checked(FieldError, "a bool", v.instance_of(bool)))
-    held: list[Any] = attrs.field(factory=list, validator=HELD)
+    held: list[Any] = attrs.field(factory=list, converter=held_items, validator=HELD)
+    ready: list[Any] = attrs.field(
+        factory=list,
+        converter=lambda value: compact.decoded_items(READY_KEY, value),
+        validator=checked(FieldError, "a list (a batch not handed out yet)", sequence_of()),
+    )
 
 
 class Batch(CentralNode[list[Any]]):
@@ -115,9 +136,13 @@ class Batch(CentralNode[list[Any]]):
         # The group being gathered is the state (``held``), not a local: an
         # interrupt at a nested next() leaves it for the next call.
         out, source, size = self.held, self.source, self._batch_size
+        bulk = isinstance(source, CentralNode)
         while len(out) < size:
             try:
-                pull_one(source, out)
+                if bulk:  # the rest of the group at once (see pull_into)
+                    source.pull_into(out, size - len(out))
+                else:
+                    pull_one(source, out)
             except StopIteration:
                 break
         # Decided before the group leaves ``held``: from there to the return
@@ -180,72 +205,110 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
         self._batch_max = 0
         self._arrivals = 0
         self._draining = False
+        self._taken = 0  # inputs at the front of ``held`` already pushed or dropped
+        self._ready: list[Any] | None = None  # a batch made and not handed out yet
+        self._ended = False  # the source raised StopIteration this epoch
 
     def produce(self) -> list[Any]:
         assert self.source is not None
         heap, cap = self._heap, self._buffer_size
         while True:
+            ready = self._ready
+            if ready is not None:
+                self._ready = None
+                return ready
             if not self._draining:
-                # Fill until the heap holds buffer_size items (a full heap pops one).
-                held = self.held
-                while cap is None or len(heap) < cap:
-                    try:
-                        if not held:
-                            pull_one(self.source, held)
-                        item = held[-1]
-                        del held[-1]
-                    except StopIteration:
-                        self._draining = True
-                        break
-                    try:
-                        length = self._len_fn(item)
-                        if type(length) is not int or length < 0:
-                            length = as_length(length, self.name)
-                    except BaseException as exc:
-                        if not isinstance(exc, Exception):  # interrupted: the next call retries
-                            held.append(item)
-                        raise
-                    if length < self._min_len or (
-                        self._max_len is not None and length > self._max_len
-                    ):
-                        continue
-                    heapq.heappush(heap, (length, self._arrivals, item))
-                    self._arrivals += 1
+                self._fill(heap, cap)
             if not heap:
                 if self._batch:
                     out, self._batch = self._batch, []
                     self._batch_tokens = self._batch_max = 0
                     return out
                 raise StopIteration
-            out_batch = self._pop_one()
-            if out_batch is not None:
-                return out_batch
+            self._pop_one()
 
-    def _pop_one(self) -> list[Any] | None:
-        """Move the shortest buffered item into the batch; return the batch it
-        displaced when it would overflow ``max_tokens``."""
-        length, _, item = heapq.heappop(self._heap)
+    def _fill(self, heap: list[tuple[int, int, Any]], cap: int | None) -> None:
+        """Push inputs until the heap holds ``cap`` items (a full heap pops
+        one) or the source ends (then ``draining``).
+
+        Inputs are pulled ``PULL_BULK`` at a time into ``held``; ``held[:_taken]``
+        are already pushed or dropped. Each input moves from ``held`` to the
+        heap with no call between the bookkeeping and the push, and the push
+        (a C call) is the last step, so an interrupt handled after any call
+        leaves every input either held or pushed, never both or neither; a
+        ``len_fn`` that raises drops its input only, the inputs after it stay
+        held for the next call."""
+        source, len_fn = self.source, self._len_fn
+        bulk = isinstance(source, CentralNode)
+        min_len, max_len = self._min_len, self._max_len
+        held = self.held
+        while cap is None or len(heap) < cap:
+            taken = self._taken
+            if taken >= len(held):
+                if held:
+                    self.held = held = []
+                    self._taken = taken = 0
+                if self._ended:
+                    self._draining = True
+                    return
+                try:
+                    if bulk:
+                        source.pull_into(held, PULL_BULK)  # type: ignore[union-attr]
+                    else:
+                        pull_one(source, held)  # type: ignore[arg-type]
+                except StopIteration:
+                    self._ended = True
+                    if not held:
+                        self._draining = True
+                        return
+            item = held[taken]
+            try:
+                length = len_fn(item)
+                if type(length) is not int or length < 0:
+                    length = as_length(length, self.name)
+            except Exception:
+                self._taken = taken + 1  # this input is dropped, the pass goes on after it
+                raise
+            if length < min_len or (max_len is not None and length > max_len):
+                self._taken = taken + 1
+                continue
+            arrival = self._arrivals
+            self._arrivals = arrival + 1
+            self._taken = taken + 1
+            heapq.heappush(heap, (length, arrival, item))
+
+    def _pop_one(self) -> None:
+        """Move the shortest buffered item into the batch; the batch it
+        displaces when it would overflow ``max_tokens`` (or a lone item longer
+        than that) becomes ``_ready``, the next output.
+
+        The item is read at ``heap[0]`` and placed first; the ``heappop``
+        that removes it from the heap is the last call, so an interrupt
+        handled after any call finds it in exactly one place, and a batch
+        that left ``_batch`` is already in ``_ready`` (kept in the state)."""
+        heap = self._heap
+        length, _, item = heap[0]
+        longest = max(length, self._batch_max)
         if self._padding:
-            longest = max(length, self._batch_max)
             tokens = (len(self._batch) + 1) * longest
         else:
-            longest = max(length, self._batch_max)
             tokens = self._batch_tokens + length
         if tokens > self._max_tokens and self._batch:
-            out = self._batch
+            self._ready = self._batch
             self._batch = [item]
             self._batch_tokens = length
             self._batch_max = length
-            return out
-        self._batch.append(item)
+            heapq.heappop(heap)
+            return
+        self._batch += [item]  # an in-place add, not a call: no interrupt lands here
         self._batch_tokens = tokens if not self._padding else self._batch_tokens + length
         self._batch_max = longest
         if tokens > self._max_tokens:
             # A lone item longer than max_tokens goes out by itself.
-            out, self._batch = self._batch, []
+            self._ready = self._batch
+            self._batch = []
             self._batch_tokens = self._batch_max = 0
-            return out
-        return None
+        heapq.heappop(heap)
 
     def own_state(self) -> dict[str, Any]:
         state = {
@@ -256,13 +319,15 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
             ARRIVALS_KEY: self._arrivals,
             DRAINING_KEY: self._draining,
         }
-        return self.with_held(state)
+        if self._ready is not None:
+            state[READY_KEY] = compact.encode_items(self._ready)
+        return self.with_held(state, self._taken)
 
     def max_items_out(self, state: BucketState, bound_in: int | None) -> int | None:
         return state.arrivals  # every batch holds at least one arrived item
 
     def check_state(self, state: BucketState, states: Mapping[str, Any]) -> None:
-        self.check_held(state.held, 0 if state.draining else 1)
+        self.check_held(state.held, 0 if state.draining else PULL_BULK)
         if self._buffer_size is not None and len(state.heap) > self._buffer_size:
             raise FieldError("heap", f"at most buffer_size={self._buffer_size} entries", state.heap)
         for length, arrival, _ in state.heap:
@@ -285,6 +350,8 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
         self._batch_max = int(state[BATCH_MAX_KEY])
         self._arrivals = int(state[ARRIVALS_KEY])
         self._draining = bool(state[DRAINING_KEY])
+        ready = compact.decode_items(state.get(READY_KEY, []))
+        self._ready = ready or None
 
     def query_state(self) -> dict[str, Any]:
         return {

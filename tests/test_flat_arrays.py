@@ -214,3 +214,22 @@ def test_flat_pickles_to_the_list_it_stands_for() -> None:
     flat = tokens.flatten([np.arange(2, dtype=np.int8), np.arange(1, dtype=np.int8)])
     got = pickle.loads(pickle.dumps(flat))
     assert [x.tolist() for x in got] == [[0, 1], [0]] and got[0].dtype == np.int8
+
+
+def _bases(group: list[np.ndarray]) -> int:
+    return len({id(x.base) for x in group})
+
+
+@pytest.mark.parametrize(
+    ("workers", "flat", "bases"),
+    [
+        pytest.param(0, True, 1, id="inline-flat"),
+        pytest.param(2, True, 1, id="2w-flat"),
+        pytest.param(0, False, 3, id="inline-pickled"),
+    ],
+)
+def test_a_dispatched_group_arrives_on_one_buffer(workers: int, flat: bool, bases: int) -> None:
+    """A batch of arrays reaches the worker stage as views of one buffer (flat on), inline too."""
+    pipe = cp.Pipeline.from_iterable(range(6)).map(lambda i: np.arange(i + 1, dtype=np.int32))
+    pipe = pipe.batch(3).dispatch().map(_bases)
+    assert _run(pipe, _cfg(workers, flat=flat)) == [bases, bases]

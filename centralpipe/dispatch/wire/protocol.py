@@ -392,8 +392,11 @@ def decode(message: Encoded) -> Any:
     return transport.loads(message.head, [bytearray(b) for b in message.buffers])
 
 
-def copy_items(items: list[Any]) -> list[Any]:
-    """A serialised round trip of ``items``: what a worker would receive."""
+def copy_items(items: list[Any], flat_groups: bool = True) -> list[Any]:
+    """A serialised round trip of ``items``: what a worker would receive
+    (``flat_groups``: as :func:`chunk_message` sends them)."""
+    if flat_groups:
+        items = [_flat_or_same(x) for x in items]
     copied: list[Any] = transport.copy(items)
     return copied
 

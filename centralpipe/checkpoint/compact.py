@@ -157,13 +157,9 @@ def part_of_flats(flats: Sequence[Flat]) -> dict[str, Any] | None:
     :class:`~centralpipe.dispatch.wire.tokens.Flat` each), or ``None`` when
     they differ in kind, dtype or writability."""
     first = flats[0]
-    if any(
-        f.kind != first.kind
-        or f.writeable != first.writeable
-        or f.flat.dtype != first.flat.dtype
-        or not len(f)
-        for f in flats
-    ):
+    # (no generators in what state_dict() runs: see protocol.chunk_message)
+    same = {(f.kind, f.writeable, f.flat.dtype) for f in flats}
+    if len(same) != 1 or 0 in set(map(len, flats)):
         return None
     lengths = np.concatenate([np.diff(f.ends, prepend=0) for f in flats])
     if first.kind == "numpy":
@@ -190,7 +186,7 @@ def encode_parts(parts: Sequence[list[Any]]) -> dict[str, Any] | list[Any]:
 
 def join_parts(encoded: Sequence[dict[str, Any] | list[Any]]) -> dict[str, Any] | list[Any]:
     """The value of parts made by :func:`pack_part` (in order)."""
-    if not any(type(p) is dict for p in encoded):
+    if dict not in set(map(type, encoded)):  # no generator: see protocol.chunk_message
         return list(chain.from_iterable(encoded))
     return {COMPACT_KEY: _FORMAT, _PARTS: list(encoded)}
 

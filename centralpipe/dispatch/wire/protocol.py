@@ -320,7 +320,8 @@ def chunk_message(
     tensors travels as one buffer plus offsets (:mod:`~centralpipe.dispatch.wire.tokens`)."""
     if flat_groups:
         items = [_flat_or_same(x) for x in items]
-        if items and all(type(x) is tokens.Flat for x in items) and len(items) == len(chunk.items):
+        # (no generator here: an interrupt at its start would be swallowed by all())
+        if len(items) == len(chunk.items) and set(map(type, items)) == {tokens.Flat}:
             chunk.flats = items
     sealed: Any = (
         [transport.Sealed(x) for x in items] if chunk.per_item else transport.Sealed(items)

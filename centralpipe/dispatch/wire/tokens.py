@@ -24,7 +24,7 @@ dtype; anything else is left to the transport (:func:`flatten` returns
 from __future__ import annotations
 
 import sys
-from operator import attrgetter
+from operator import attrgetter, methodcaller
 from typing import Any
 
 import numpy as np
@@ -48,6 +48,8 @@ _writeable = attrgetter("flags.writeable")
 _needs_grad = attrgetter("requires_grad")
 _layout = attrgetter("layout")
 _device = attrgetter("device.type")
+_conj = methodcaller("is_conj")
+_neg = methodcaller("is_neg")
 _NUMPY, _TORCH = "numpy", "torch"
 
 
@@ -119,7 +121,7 @@ def _flatten_torch(items: list[Any], torch: Any) -> Flat | None:
         return None
     if set(map(_device, items)) != {"cpu"}:
         return None
-    if any(t.is_conj() or t.is_neg() for t in items):
+    if any(map(_conj, items)) or any(map(_neg, items)):
         return None
     flat = torch.cat(items)
     return Flat(_TORCH, flat, _ends(items), True)

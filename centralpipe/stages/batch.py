@@ -37,6 +37,7 @@ from centralpipe.checkpoint import compact
 from centralpipe.plan.pipeline import StageSpec
 from centralpipe.stages.base import (
     HELD,
+    HELD_KEY,
     CentralNode,
     HeldState,
     RunContext,
@@ -319,9 +320,11 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
             ARRIVALS_KEY: self._arrivals,
             DRAINING_KEY: self._draining,
         }
-        if self._ready is not None:
-            state[READY_KEY] = compact.encode_items(self._ready)
-        return self.with_held(state, self._taken)
+        # Always present (empty when unused): a torch.distributed.checkpoint
+        # load fills only the keys of its template, a fresh loader's state.
+        state[READY_KEY] = compact.encode_items(self._ready or [])
+        state[HELD_KEY] = compact.encode_items(self.held[self._taken :])
+        return state
 
     def max_items_out(self, state: BucketState, bound_in: int | None) -> int | None:
         return state.arrivals  # every batch holds at least one arrived item

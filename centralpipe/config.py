@@ -159,6 +159,13 @@ class WorkerConfig:
             Output, errors, queries and checkpoints are the same either way,
             and a checkpoint resumes with it on or off. ``False`` sends the
             lines. No effect with ``num_workers=0``.
+        flat_arrays: on by default: a list of 1-D numpy arrays or tensors of
+            one dtype (a chunk of a tokenizer's outputs on the way back from
+            the workers; a bucket or batch of them on the way to the worker
+            stages) crosses as one flat buffer plus offsets instead of one
+            pickle per array; each item arrives as a view of that buffer,
+            with the same type, dtype, values and writability. Off: every
+            array is pickled on its own (same items, same checkpoints).
     """
 
     num_workers: int = attrs.field(default=0, validator=_int(0))
@@ -182,6 +189,7 @@ class WorkerConfig:
     )
     start_inline: bool = attrs.field(default=False, validator=_instance(bool))
     read_in_workers: bool = attrs.field(default=True, validator=_instance(bool))
+    flat_arrays: bool = attrs.field(default=True, validator=_instance(bool))
 
     def resolved_start_method(self) -> str:
         """The start method workers use: the configured one or the default."""

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from centralpipe import checkpoint
-from centralpipe.checkpoint import FORMAT_VERSION
+from centralpipe.checkpoint import FORMAT_VERSION, compact
 from centralpipe.dispatch.boundary import StreamPlan, empty_segment_entry
 from centralpipe.dispatch.wire.protocol import InFlight
 from centralpipe.plan.pipeline import WORKER_KINDS, Pipeline
@@ -192,7 +192,7 @@ def _plan(flight: dict[str, Any], reader: Any) -> StreamPlan:
     ranges = [reader.resumed_range(r) for r in records] if records else []
     resume = InFlight(
         flight["first_seq"],
-        list(flight["items"]),
+        compact.decode_items(flight["items"]),
         None if flight.get("stamps") is None else list(flight["stamps"]),
         flight["skip_outputs"],
         flight["skip"],
@@ -216,7 +216,7 @@ def copy_state(sd: Any) -> dict[str, Any]:
 
 
 def _copy_flight(flight: dict[str, Any]) -> dict[str, Any]:
-    out = {**flight, "items": list(flight["items"])}
+    out = {**flight, "items": compact.copy_items(flight["items"])}
     if "ranges" in flight:
         out["ranges"] = [list(r) for r in flight["ranges"]]
     return out

@@ -25,6 +25,7 @@ import zlib
 from pathlib import Path
 
 import attrs
+import numpy as np
 import torch
 
 import centralpipe as cp
@@ -35,18 +36,26 @@ PAD_ID = 0
 BUCKET_BUFFER = 50_000
 
 
-def tokenize(line: str) -> list[int]:
+def tokenize(line: str) -> np.ndarray:
     """A toy tokenizer: whitespace words to ids in ``[1, VOCAB_SIZE)``, by a
-    stable hash (``hash()`` is salted per process; ``crc32`` is not)."""
-    return [1 + zlib.crc32(word.encode("utf-8")) % (VOCAB_SIZE - 1) for word in line.split()]
+    stable hash (``hash()`` is salted per process; ``crc32`` is not).
+
+    It returns an ``int32`` numpy array, the fast form: a chunk of arrays
+    comes back from the workers as one buffer plus offsets (not one pickle per
+    line), buckets of them go to ``collate_pad`` the same way, and the
+    checkpoint holds the 50k-line bucket buffer as one flat tensor. (A real
+    tokenizer: ``np.array(tok.encode(line).ids, dtype=np.int32)``, or
+    ``encode_batch`` with ``map(..., batched=True)`` and thread workers.)"""
+    ids = [1 + zlib.crc32(word.encode("utf-8")) % (VOCAB_SIZE - 1) for word in line.split()]
+    return np.array(ids, dtype=np.int32)
 
 
-def collate_pad(batch: list[list[int]]) -> torch.Tensor:
-    """Pad token lists with ``PAD_ID`` into a ``LongTensor`` ``[batch, longest]``."""
+def collate_pad(batch: list[np.ndarray]) -> torch.Tensor:
+    """Pad token arrays with ``PAD_ID`` into a ``LongTensor`` ``[batch, longest]``."""
     longest = max(len(seq) for seq in batch)
     out = torch.full((len(batch), longest), PAD_ID, dtype=torch.long)
     for row, seq in enumerate(batch):
-        out[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        out[row, : len(seq)] = torch.from_numpy(seq)
     return out
 
 

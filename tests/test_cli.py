@@ -273,8 +273,9 @@ def test_quick_seed_bench_prints_its_table() -> None:
     assert "Traceback" not in proc.stderr
     out = proc.stdout
     assert "## seed:" in out and "## Targets" in out
-    rows = [line for line in out.splitlines() if line.startswith("| pure Python |")]
-    rows += [line for line in out.splitlines() if line.startswith("| BPE (tokenizers) |")]
+    main_table = out.split("## seed:", 1)[1].split("### seed:", 1)[0].splitlines()
+    rows = [line for line in main_table if line.startswith("| pure Python |")]
+    rows += [line for line in main_table if line.startswith("| BPE (tokenizers) |")]
     contenders = [name for name, _ in bench_seed.CONTENDERS]
     python_rows = [r for r in rows if r.startswith("| pure Python |")]
     assert [r.split(" | ")[1] for r in python_rows] == contenders
@@ -288,8 +289,10 @@ def test_quick_seed_bench_prints_its_table() -> None:
     )
     assert "seed, pure-Python tokenizer: >= 20 µs a line" in out
     for ex in ("process", "thread"):
-        assert f"seed, pure Python, parallel {ex}, 2 workers: ahead of every peer" in out
+        assert f"seed, pure Python, parallel {ex}, 2 workers: >= 1.2x DataLoader" in out
         assert f"seed, pure Python, parallel {ex}: start-up < 10 % of the epoch" in out
+    assert "### seed: main-process CPU per line, by thread" in out
+    assert "| pure Python | int32 arrays |" in out and "reads it" in out
 
 
 def test_seed_bucketizer_matches_bucket_by_max_tokens() -> None:

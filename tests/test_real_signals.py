@@ -64,8 +64,13 @@ def _size(x: int) -> int:
     return x % 5 + 1
 
 
+def _one(x: int) -> int:
+    return 1
+
+
 #: "stages": central stages that pull item by item in the caller's thread
-#: (map, count, batch, flat_map), each taking inputs through ``pull_one``.
+#: (map, count, batch, flat_map), each taking inputs through ``pull_one``;
+#: "regroup": a bucket and a batch, which pull inputs in bulk (``pull_into``).
 KINDS = {
     "inline": (0, lambda p: p.dispatch().map(_times2)),
     "stages": (
@@ -77,6 +82,18 @@ KINDS = {
     # Lines of files sent as byte ranges the workers read (read_in_workers),
     # cut in the caller's thread (no stage after dispatch: no feeder).
     "ranges": (2, lambda p: p.read_lines().map(_line_times2, parallel=True)),
+    # bulk pulls: a bucket of unit lengths keeps arrival order, a batch its group
+    "regroup": (
+        0,
+        lambda p: (
+            p.map(_times2)
+            .bucket_by_max_tokens(4, len_fn=_one, buffer_size=16)
+            .flat_map(_same)
+            .batch(3)
+            .flat_map(_same)
+            .dispatch()
+        ),
+    ),
 }
 #: Central stages that move an item between their buffer and the output in
 #: the caller's thread (no workers): shuffle's draw, the bucket's move from

@@ -8,6 +8,9 @@
 - ``elastic`` merging every rank's state into one that resumes on any world
   size (:func:`~centralpipe.merge_states`).
 - ``gather``  the collective side of it (:func:`~centralpipe.gather_states`).
+- ``compact`` lists of 1-D arrays (token data: in-flight items, stage
+  buffers) saved as one flat tensor plus lengths (:func:`encode_items` /
+  :func:`decode_items`).
 
 This package's names are the model's and the checks' (``model``'s import
 path before them was ``centralpipe.checkpoint``, which keeps them).

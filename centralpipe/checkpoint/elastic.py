@@ -38,6 +38,7 @@ from typing import Any
 import attrs
 
 from centralpipe import checkpoint
+from centralpipe.checkpoint import compact
 from centralpipe.errors import CheckpointError
 from centralpipe.plan.specs import WORKER_KINDS
 from centralpipe.stages import NODE_CLASSES, Parallel
@@ -190,7 +191,7 @@ class _Rank:
             self.boundary = _tip_boundary(self.fingerprint)
             flight = sd["in_flight"][self.boundary]
             self.first_seq = int(flight["first_seq"])
-            self.items = list(flight["items"])
+            self.items = compact.decode_items(flight["items"])
             self.stamps = flight.get("stamps")
             self.skip_outputs = int(flight["skip_outputs"])
             self.poison = {int(s) for s in flight["skip"]}

@@ -46,6 +46,7 @@ import cattrs
 from attrs import validators as v
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn
 
+from centralpipe.checkpoint import compact
 from centralpipe.errors import CheckpointError
 from centralpipe.validators import NUMBER, FieldError, checked, int_in, sequence_of, short_repr
 
@@ -156,7 +157,10 @@ class Boundary:
 
     next_seq: int = attrs.field(validator=_count())
     first_seq: int = attrs.field(validator=_count())
-    items: list[Any] = attrs.field(validator=checked(FieldError, "a list", sequence_of()))
+    items: list[Any] = attrs.field(
+        converter=lambda value: compact.decoded_items("items", value),
+        validator=checked(FieldError, "a list", sequence_of()),
+    )
     stamps: list[Any] | None = attrs.field(
         validator=checked(
             FieldError, f"None or a list of stamps ({STAMP_TEXT})", v.optional(sequence_of(STAMP))

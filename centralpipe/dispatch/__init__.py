@@ -61,6 +61,8 @@ Main process, one pass of the Loader:
   copy, released when they are freed).
 - ``wire.stash`` [worker] the worker's side of its ring: free space, and large
   outputs moved into the ring as the worker stages make them.
+- ``wire.tokens`` [worker] lists of 1-D arrays or tensors (token data: a
+  chunk's outputs, a bucket) sent as one flat buffer plus offsets.
 
 ``worker/``, what runs in a worker:
 

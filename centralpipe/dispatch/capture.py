@@ -20,12 +20,29 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from centralpipe.checkpoint.compact import join_parts, pack_part, part_of_flats
 from centralpipe.dispatch.guard import Holding
 from centralpipe.dispatch.wire.protocol import Chunk
 from centralpipe.dispatch.worker.ranges import LineRange
 from centralpipe.stages import CentralNode
 
 __all__ = ["Capture"]
+
+
+def _chunk_part(chunk: Chunk) -> Any:
+    """The checkpoint form of a whole chunk's items (``checkpoint.compact``),
+    made once: from the flat buffers it was sent with when it has them."""
+    n = len(chunk.items)
+    cached = chunk.state_part
+    if cached is not None and cached[0] == n:
+        return cached[1]
+    flats = chunk.flats
+    part = part_of_flats(flats) if flats is not None and len(flats) == n else None
+    if part is None:
+        part = pack_part(chunk.items)
+    if chunk.closed:  # its items are final
+        chunk.state_part = (n, part)
+    return part
 
 
 class Capture:
@@ -104,7 +121,8 @@ class Capture:
     def capture_unlocked(self) -> dict[str, Any]:
         """:meth:`capture` for a caller that holds the lock of the stream
         downstream (a parallel stage's stream is only changed under it)."""
-        items: list[Any] = []
+        parts: list[Any] = []  # compact parts of the items (checkpoint.compact)
+        n_items = 0  # items in ``parts`` so far: where a range's lines go
         ranges: list[list[Any]] = []  # lines read by workers stay byte ranges
         stamps: list[Any] | None = [] if self._stamped else None
         skip: list[int] = []
@@ -130,21 +148,23 @@ class Capture:
                     skip_outputs += chunk.skip_first
             if isinstance(chunk.items, LineRange):
                 if start < len(chunk.items):
-                    ranges.append(chunk.items.record(len(items), start))
+                    ranges.append(chunk.items.record(n_items, start))
             else:
-                items.extend(chunk.items[start:])
+                parts.append(_chunk_part(chunk) if start == 0 else pack_part(chunk.items[start:]))
+                n_items += len(chunk.items) - start
             if stamps is not None and chunk.stamps is not None:
                 stamps.extend(chunk.stamps[start:])
             skip.extend(chunk.first_seq + i for i in chunk.skip if i >= start)
         if self._resume:
             if first:
                 first_seq = self._resume[0][0]
+            plain: list[Any] = []
             for seq, item, stamp in self._resume:
                 if isinstance(item, LineRange):
-                    ranges.append(item.record(len(items), 0))
+                    ranges.append(item.record(n_items + len(plain), 0))
                     skip.extend(x for x in range(seq, seq + len(item)) if x in self._resume_skip)
                     continue
-                items.append(item)
+                plain.append(item)
                 if stamps is not None:
                     stamps.append(stamp)
                 if seq in self._resume_skip:
@@ -153,9 +173,11 @@ class Capture:
                 skip_outputs = self._resume_skip_first[1]
         if self.finished:
             delivered_stamp = self._stamp_now()
+        if self._resume:
+            parts.append(pack_part(plain))
         in_flight = {
             "first_seq": first_seq,
-            "items": items,
+            "items": join_parts(parts),
             "stamps": stamps,
             "skip_outputs": skip_outputs,
             "skip": skip,

@@ -66,9 +66,10 @@ class LocalCentral:
             node.prepare()
         # Dispatched items carry these stages' totals (delivered queries, checkpoints).
         self._stamped = [node for node in self._nodes if node.stamped]
-        self._chain = WorkerChain(pipeline.worker_stages, config.seed)
+        flat = config.workers.flat_arrays
+        self._chain = WorkerChain(pipeline.worker_stages, config.seed, flat)
         self._segments = [n for n in self._nodes if isinstance(n, Parallel)]
-        self._segment_chains = [WorkerChain([n.spec], config.seed) for n in self._segments]
+        self._segment_chains = [WorkerChain([n.spec], config.seed, flat) for n in self._segments]
         self._check_picklable()
         self.epoch = 0
         self._stats = StreamStats(config.workers.num_workers)

@@ -65,10 +65,11 @@ def copy_items(s: Stream, chunk: Chunk) -> list[Any]:
     place from changing the checkpoint's in-flight items, as a worker
     process would. Items that cannot be pickled become ``None`` and are
     failures of the boundary stage (:func:`sendable_items`)."""
+    flat = s.chain.flat_arrays
     try:
-        return protocol.copy_items(chunk.items)
+        return protocol.copy_items(chunk.items, flat)
     except Exception:  # an item cannot be pickled, or unpickled again
-        return protocol.copy_items(sendable_items(s, chunk, roundtrip=True))
+        return protocol.copy_items(sendable_items(s, chunk, roundtrip=True), flat)
 
 
 def sendable_items(s: Stream, chunk: Chunk, *, roundtrip: bool = False) -> list[Any]:
@@ -101,7 +102,14 @@ def encode_chunk(run_id: int, s: Stream, chunk: Chunk) -> protocol.Encoded:
 
     def message(items: list[Any]) -> tuple[Any, ...]:
         return protocol.chunk_message(
-            run_id, s.stream_id, chunk, s.epoch, items, run_skip(chunk), s.rng_key(chunk)
+            run_id,
+            s.stream_id,
+            chunk,
+            s.epoch,
+            items,
+            run_skip(chunk),
+            s.rng_key(chunk),
+            s.chain.flat_arrays,
         )
 
     try:

@@ -197,14 +197,40 @@ class Pipeline:
         *,
         parallel: bool = False,
         with_rng: bool = False,
+        batched: bool = False,
         name: str | None = None,
     ) -> Pipeline:
         """``fn(item)`` for each item. After ``dispatch()`` it runs in workers.
         Before it, ``parallel=True`` runs it in the workers too, its outputs
         re-entering the central chain in order. In workers (either way)
         ``with_rng=True`` calls ``fn(item, rng)`` with a ``torch.Generator``
-        seeded from ``(seed, epoch, index of the item in this stage's input)``."""
+        seeded from ``(seed, epoch, index of the item in this stage's input)``.
+
+        ``batched=True`` (in workers: after ``dispatch()`` or with
+        ``parallel=True``) calls ``fn(items)`` once per chunk with the list of
+        its items and takes the list it returns, one output per item in
+        order (e.g. ``tokenizer.encode_batch``, which releases the GIL: the
+        way to make ``executor="thread"`` pay). Items, outputs, state and
+        checkpoints are those of the per-item map; when a call raises, each
+        item is tried on its own (``fn([item])``) so only the failing ones fail."""
         options = self._transform_options("map", name, parallel, with_rng)
+        stage = name or self._default_name("map")
+        if not isinstance(batched, bool):
+            raise PipelineError(f"stage '{stage}': `batched` must be a bool, got {batched!r}.")
+        if batched:
+            if with_rng:
+                msg = (
+                    f"stage '{stage}': batched=True and with_rng=True do not go together (a "
+                    "generator is per item); draw per-item seeds inside fn, or drop batched."
+                )
+                raise PipelineError(msg)
+            if self._dispatch_index() is None and not parallel:
+                msg = (
+                    f"stage '{stage}': batched=True is for maps that run in the workers: pass "
+                    "parallel=True, or build the map after dispatch()."
+                )
+                raise PipelineError(msg)
+            options["batched"] = True
         return self._add("map", name, self._placement_for("map"), fn=fn, options=options)
 
     def filter(

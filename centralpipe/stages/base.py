@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 import attrs
 from torchdata.nodes import BaseNode
 
+from centralpipe.checkpoint import compact
 from centralpipe.errors import CheckpointError
 from centralpipe.validators import FieldError, checked, sequence_of
 
@@ -53,6 +54,7 @@ __all__ = [
     "RunContext",
     "Total",
     "add_stage_note",
+    "held_items",
     "pull_one",
 ]
 
@@ -111,12 +113,18 @@ class NoState:
 HELD = checked(FieldError, "a list (the inputs of an interrupted call)", sequence_of())
 
 
+def held_items(value: Any) -> Any:
+    """The converter of a state class's ``held`` field: held 1-D arrays are
+    saved compact (:mod:`centralpipe.checkpoint.compact`); read back as a list."""
+    return compact.decoded_items(HELD_KEY, value)
+
+
 @attrs.frozen(kw_only=True)
 class HeldState:
     """The state of a stage that keeps nothing between calls, except after an
     interrupt: ``{}``, or ``{"held": [inputs]}``."""
 
-    held: list[Any] = attrs.field(factory=list, validator=HELD)
+    held: list[Any] = attrs.field(factory=list, converter=held_items, validator=HELD)
 
 
 def add_stage_note(exc: BaseException, stage: str) -> None:
@@ -288,15 +296,16 @@ class CentralNode(BaseNode[T], Generic[T]):
 
     # -- held inputs (see the module docstring) --------------------------------
 
-    def with_held(self, state: dict[str, Any]) -> dict[str, Any]:
-        """``state`` with the held inputs, if any (for ``own_state()``)."""
-        if self.held:
-            state[HELD_KEY] = list(self.held)
+    def with_held(self, state: dict[str, Any], start: int = 0) -> dict[str, Any]:
+        """``state`` with the held inputs from index ``start`` on, if any (for
+        ``own_state()``; 1-D arrays saved compact)."""
+        if len(self.held) > start:
+            state[HELD_KEY] = compact.encode_items(self.held[start:])
         return state
 
     def restore_held(self, state: dict[str, Any] | None) -> None:
         """The held inputs of ``state`` (none at the start of an epoch)."""
-        self.held = [] if state is None else list(state.get(HELD_KEY, ()))
+        self.held = [] if state is None else compact.decode_items(state.get(HELD_KEY, []))
 
     def check_held(self, held: list[Any], most: int) -> None:
         """``FieldError`` unless ``held`` could be this stage's: at most ``most`` inputs."""

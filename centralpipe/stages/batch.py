@@ -11,15 +11,16 @@ an ``int >= 0`` (a numpy integer or a one-element integer tensor is made one);
 anything else — a float, ``nan``, a negative number, a ``str`` — is a
 ``PipelineError`` naming the stage (:mod:`centralpipe.stages.measures`).
 
-Both keep what they pulled in their state, never in a local variable across a
-call that an interrupt (Ctrl-C) can cut short: ``batch`` gathers its group in
-``held``, ``bucket_by_max_tokens`` holds an item while ``len_fn`` runs. The
-next ``next()`` carries on from there, and a checkpoint taken meanwhile
-records it. The bucket moves an item from its heap into the batch by writing
-the batch (a slice assignment, no call) and its totals first and popping the
-heap last, and a full batch waits in ``ready`` (the state) until it is
-handed out with no call in between: CPython handles a Ctrl-C only at a call,
-so an interrupt finds the item in exactly one place and the totals matching.
+Both pull in bulk (``pull_into``: a parallel stage before them hands over a
+whole chunk's outputs at once): ``batch`` the rest of its group, the bucket
+``PULL_BULK`` inputs ahead. Both keep what they pulled in their state, never
+in a local variable across a call that an interrupt (Ctrl-C) can cut short:
+``batch`` gathers its group in ``held``; the bucket keeps the inputs it pulled
+and has not pushed yet in ``held`` (a ``len_fn`` that raises drops its input
+only; the ones after it stay held). The next ``next()`` carries on from
+there, and a checkpoint taken meanwhile records it. The heap, the batch and
+the held inputs are saved compact when they are 1-D arrays
+(:mod:`centralpipe.checkpoint.compact`).
 """
 
 from __future__ import annotations
@@ -32,8 +33,18 @@ import attrs
 from attrs import validators as v
 from torchdata.nodes import BaseNode
 
+from centralpipe.checkpoint import compact
 from centralpipe.plan.pipeline import StageSpec
-from centralpipe.stages.base import HELD, CentralNode, HeldState, RunContext, Total, pull_one
+from centralpipe.stages.base import (
+    HELD,
+    HELD_KEY,
+    CentralNode,
+    HeldState,
+    RunContext,
+    Total,
+    held_items,
+    pull_one,
+)
 from centralpipe.stages.measures import as_length
 from centralpipe.validators import FieldError, checked, int_in, sequence_of
 
@@ -45,7 +56,19 @@ BATCH_TOKENS_KEY = "batch_tokens"
 BATCH_MAX_KEY = "batch_max_len"
 ARRIVALS_KEY = "arrivals"
 DRAINING_KEY = "draining"
+#: A batch made and not handed out yet (present only then, after an interrupt).
 READY_KEY = "ready"
+#: Inputs a bucket pulls from its source at once (held until pushed).
+PULL_BULK = 64
+#: The int columns of a heap saved compact (``checkpoint.compact``).
+HEAP_COLUMNS = ("length", "arrival")
+
+
+def _heap(value: Any) -> Any:
+    try:
+        return compact.decode_keyed(value, HEAP_COLUMNS)
+    except ValueError as exc:
+        raise FieldError(HEAP_KEY, f"a list or a readable compact heap ({exc})", value) from None
 
 
 _COUNT = int_in(0, 2**63)
@@ -60,21 +83,29 @@ def _heap_entry(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
 
 @attrs.frozen(kw_only=True)
 class BucketState:
+    """The heap ``[[length, arrival, item], ...]`` (saved compact as
+    ``{"length": tensor, "arrival": tensor, "items": ...}`` when the items are
+    1-D arrays: ``checkpoint.compact``), the batch being filled and counters."""
+
     heap: list[Any] = attrs.field(
+        converter=_heap,
         validator=checked(
             FieldError, "a list of [length, arrival, item] entries", sequence_of(_heap_entry)
-        )
+        ),
     )
-    batch: list[Any] = attrs.field(validator=checked(FieldError, "a list", sequence_of()))
+    batch: list[Any] = attrs.field(
+        converter=lambda value: compact.decoded_items(BATCH_KEY, value),
+        validator=checked(FieldError, "a list", sequence_of()),
+    )
     batch_tokens: int = attrs.field(validator=checked(FieldError, "an int >= 0", _COUNT))
     batch_max_len: int = attrs.field(validator=checked(FieldError, "an int >= 0", _COUNT))
     arrivals: int = attrs.field(validator=checked(FieldError, "an int >= 0", _COUNT))
     draining: bool = attrs.field(validator=checked(FieldError, "a bool", v.instance_of(bool)))
-    held: list[Any] = attrs.field(factory=list, validator=HELD)
-    #: A batch made and not yet handed out (a call cut short by an interrupt):
-    #: its items, else empty (and absent from the state).
+    held: list[Any] = attrs.field(factory=list, converter=held_items, validator=HELD)
     ready: list[Any] = attrs.field(
-        factory=list, validator=checked(FieldError, "a list", sequence_of())
+        factory=list,
+        converter=lambda value: compact.decoded_items(READY_KEY, value),
+        validator=checked(FieldError, "a list (a batch not handed out yet)", sequence_of()),
     )
 
 
@@ -106,9 +137,13 @@ class Batch(CentralNode[list[Any]]):
         # The group being gathered is the state (``held``), not a local: an
         # interrupt at a nested next() leaves it for the next call.
         out, source, size = self.held, self.source, self._batch_size
+        bulk = isinstance(source, CentralNode)
         while len(out) < size:
             try:
-                pull_one(source, out)
+                if bulk:  # the rest of the group at once (see pull_into)
+                    source.pull_into(out, size - len(out))
+                else:
+                    pull_one(source, out)
             except StopIteration:
                 break
         # Decided before the group leaves ``held``: from there to the return
@@ -171,107 +206,131 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
         self._batch_max = 0
         self._arrivals = 0
         self._draining = False
-        #: A full batch not yet handed out (see the module docstring).
-        self._ready: list[Any] | None = None
+        self._taken = 0  # inputs at the front of ``held`` already pushed or dropped
+        self._ready: list[Any] | None = None  # a batch made and not handed out yet
+        self._ended = False  # the source raised StopIteration this epoch
 
     def produce(self) -> list[Any]:
         assert self.source is not None
         heap, cap = self._heap, self._buffer_size
         while True:
             ready = self._ready
-            if ready is not None:  # made by a call an interrupt cut short
+            if ready is not None:
                 self._ready = None
                 return ready
             if not self._draining:
-                # Fill until the heap holds buffer_size items (a full heap pops one).
-                held = self.held
-                while cap is None or len(heap) < cap:
-                    try:
-                        if not held:
-                            pull_one(self.source, held)
-                        item = held[-1]
-                        del held[-1]
-                    except StopIteration:
-                        self._draining = True
-                        break
-                    try:
-                        length = self._len_fn(item)
-                        if type(length) is not int or length < 0:
-                            length = as_length(length, self.name)
-                    except BaseException as exc:
-                        if not isinstance(exc, Exception):  # interrupted: the next call retries
-                            held.append(item)
-                        raise
-                    if length < self._min_len or (
-                        self._max_len is not None and length > self._max_len
-                    ):
-                        continue
-                    # Counted first: the push is the last call, so an entry
-                    # never shares its arrival index with the next.
-                    arrival = self._arrivals
-                    self._arrivals = arrival + 1
-                    heapq.heappush(heap, (length, arrival, item))
+                self._fill(heap, cap)
             if not heap:
                 if self._batch:
                     out, self._batch = self._batch, []
                     self._batch_tokens = self._batch_max = 0
                     return out
                 raise StopIteration
-            out_batch = self._pop_one()
-            if out_batch is not None:
-                return out_batch
+            self._pop_one()
 
-    def _pop_one(self) -> list[Any] | None:
-        """Move the shortest buffered item into the batch; return the batch it
-        displaced when it would overflow ``max_tokens``.
+    def _fill(self, heap: list[tuple[int, int, Any]], cap: int | None) -> None:
+        """Push inputs until the heap holds ``cap`` items (a full heap pops
+        one) or the source ends (then ``draining``).
 
-        The item is read at the top of the heap, the new state written
-        without a call, and the heap popped last: an interrupt before the pop
-        changes nothing, one after it finds the move done (and a full batch
-        in ``ready``, handed out by the next call)."""
-        heap, batch = self._heap, self._batch
+        Inputs are pulled ``PULL_BULK`` at a time into ``held``; ``held[:_taken]``
+        are already pushed or dropped. Each input moves from ``held`` to the
+        heap with no call between the bookkeeping and the push, and the push
+        (a C call) is the last step, so an interrupt handled after any call
+        leaves every input either held or pushed, never both or neither; a
+        ``len_fn`` that raises drops its input only, the inputs after it stay
+        held for the next call."""
+        source, len_fn = self.source, self._len_fn
+        bulk = isinstance(source, CentralNode)
+        min_len, max_len = self._min_len, self._max_len
+        held = self.held
+        while cap is None or len(heap) < cap:
+            taken = self._taken
+            if taken >= len(held):
+                if held:
+                    self.held = held = []
+                    self._taken = taken = 0
+                if self._ended:
+                    self._draining = True
+                    return
+                try:
+                    if bulk:
+                        source.pull_into(held, PULL_BULK)  # type: ignore[union-attr]
+                    else:
+                        pull_one(source, held)  # type: ignore[arg-type]
+                except StopIteration:
+                    self._ended = True
+                    if not held:
+                        self._draining = True
+                        return
+            item = held[taken]
+            try:
+                length = len_fn(item)
+                if type(length) is not int or length < 0:
+                    length = as_length(length, self.name)
+            except Exception:
+                self._taken = taken + 1  # this input is dropped, the pass goes on after it
+                raise
+            if length < min_len or (max_len is not None and length > max_len):
+                self._taken = taken + 1
+                continue
+            arrival = self._arrivals
+            self._arrivals = arrival + 1
+            self._taken = taken + 1
+            heapq.heappush(heap, (length, arrival, item))
+
+    def _pop_one(self) -> None:
+        """Move the shortest buffered item into the batch; the batch it
+        displaces when it would overflow ``max_tokens`` (or a lone item longer
+        than that) becomes ``_ready``, the next output.
+
+        The item is read at ``heap[0]`` and placed first; the ``heappop``
+        that removes it from the heap is the last call, so an interrupt
+        handled after any call finds it in exactly one place, and a batch
+        that left ``_batch`` is already in ``_ready`` (kept in the state)."""
+        heap = self._heap
         length, _, item = heap[0]
-        size = len(batch)
-        longest = length if length > self._batch_max else self._batch_max
-        tokens = (size + 1) * longest if self._padding else self._batch_tokens + length
-        if tokens > self._max_tokens:
-            # The batch goes out (or, empty, the item alone: longer than
-            # max_tokens); the item starts the next batch.
-            if batch:
-                self._ready = batch
-                self._batch = [item]
-                self._batch_tokens = length
-                self._batch_max = length
-            else:
-                self._ready = [item]
+        longest = max(length, self._batch_max)
+        if self._padding:
+            tokens = (len(self._batch) + 1) * longest
+        else:
+            tokens = self._batch_tokens + length
+        if tokens > self._max_tokens and self._batch:
+            self._ready = self._batch
+            self._batch = [item]
+            self._batch_tokens = length
+            self._batch_max = length
             heapq.heappop(heap)
-            out = self._ready
-            self._ready = None
-            return out
-        batch[size:] = (item,)  # an append that is no call
-        self._batch_tokens += length
+            return
+        self._batch += [item]  # an in-place add, not a call: no interrupt lands here
+        self._batch_tokens = tokens if not self._padding else self._batch_tokens + length
         self._batch_max = longest
+        if tokens > self._max_tokens:
+            # A lone item longer than max_tokens goes out by itself.
+            self._ready = self._batch
+            self._batch = []
+            self._batch_tokens = self._batch_max = 0
         heapq.heappop(heap)
-        return None
 
     def own_state(self) -> dict[str, Any]:
         state = {
-            HEAP_KEY: list(self._heap),
-            BATCH_KEY: list(self._batch),
+            HEAP_KEY: compact.encode_keyed(self._heap, HEAP_COLUMNS),
+            BATCH_KEY: compact.encode_items(self._batch),
             BATCH_TOKENS_KEY: self._batch_tokens,
             BATCH_MAX_KEY: self._batch_max,
             ARRIVALS_KEY: self._arrivals,
             DRAINING_KEY: self._draining,
         }
-        if self._ready is not None:
-            state[READY_KEY] = list(self._ready)
-        return self.with_held(state)
+        # Always present (empty when unused): a torch.distributed.checkpoint
+        # load fills only the keys of its template, a fresh loader's state.
+        state[READY_KEY] = compact.encode_items(self._ready or [])
+        state[HELD_KEY] = compact.encode_items(self.held[self._taken :])
+        return state
 
     def max_items_out(self, state: BucketState, bound_in: int | None) -> int | None:
         return state.arrivals  # every batch holds at least one arrived item
 
     def check_state(self, state: BucketState, states: Mapping[str, Any]) -> None:
-        self.check_held(state.held, 0 if state.draining else 1)
+        self.check_held(state.held, 0 if state.draining else PULL_BULK)
         if self._buffer_size is not None and len(state.heap) > self._buffer_size:
             raise FieldError("heap", f"at most buffer_size={self._buffer_size} entries", state.heap)
         for length, arrival, _ in state.heap:
@@ -286,15 +345,16 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
         self.restore_held(state)
         if state is None:
             return
-        self._heap = [(int(n), int(i), item) for n, i, item in state[HEAP_KEY]]
+        heap = compact.decode_keyed(state[HEAP_KEY], HEAP_COLUMNS)
+        self._heap = [(int(n), int(i), item) for n, i, item in heap]
         heapq.heapify(self._heap)
-        self._batch = list(state[BATCH_KEY])
+        self._batch = compact.decode_items(state[BATCH_KEY])
         self._batch_tokens = int(state[BATCH_TOKENS_KEY])
         self._batch_max = int(state[BATCH_MAX_KEY])
         self._arrivals = int(state[ARRIVALS_KEY])
         self._draining = bool(state[DRAINING_KEY])
-        ready = state.get(READY_KEY)
-        self._ready = list(ready) if ready else None
+        ready = compact.decode_items(state.get(READY_KEY, []))
+        self._ready = ready or None
 
     def query_state(self) -> dict[str, Any]:
         return {

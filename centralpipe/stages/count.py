@@ -19,7 +19,7 @@ import attrs
 from torchdata.nodes import BaseNode
 
 from centralpipe.plan.pipeline import StageSpec
-from centralpipe.stages.base import HELD, CentralNode, RunContext, Total, pull_one
+from centralpipe.stages.base import HELD, CentralNode, RunContext, Total, held_items, pull_one
 from centralpipe.stages.measures import as_weight
 from centralpipe.validators import NUMBER, FieldError, checked, int_in
 
@@ -33,7 +33,7 @@ WEIGHT_KEY = "weight"
 class CountState:
     items: int = attrs.field(validator=checked(FieldError, "an int >= 0", int_in(0, 2**63)))
     weight: float = attrs.field(validator=checked(FieldError, "a number", NUMBER))
-    held: list[Any] = attrs.field(factory=list, validator=HELD)
+    held: list[Any] = attrs.field(factory=list, converter=held_items, validator=HELD)
 
 
 class Count(CentralNode[Any]):

@@ -55,7 +55,7 @@ from torchdata.nodes import BaseNode
 
 from centralpipe.errors import PipelineError
 from centralpipe.plan.pipeline import StageSpec
-from centralpipe.stages.base import HELD, CentralNode, RunContext, Total, pull_one
+from centralpipe.stages.base import HELD, CentralNode, RunContext, Total, held_items, pull_one
 from centralpipe.stages.measures import as_length
 from centralpipe.validators import FieldError, checked, int_in, sequence_of
 
@@ -96,7 +96,7 @@ class PackState:
     tokens: int = attrs.field(validator=checked(FieldError, "an int >= 0", _COUNT))
     dropped: int = attrs.field(validator=checked(FieldError, "an int >= 0", _COUNT))
     draining: bool = attrs.field(validator=checked(FieldError, "a bool", v.instance_of(bool)))
-    held: list[Any] = attrs.field(factory=list, validator=HELD)
+    held: list[Any] = attrs.field(factory=list, converter=held_items, validator=HELD)
 
 
 class _FirstFitTree:

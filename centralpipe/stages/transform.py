@@ -19,7 +19,15 @@ import attrs
 from torchdata.nodes import BaseNode
 
 from centralpipe.plan.pipeline import StageSpec
-from centralpipe.stages.base import HELD, CentralNode, HeldState, RunContext, Total, pull_one
+from centralpipe.stages.base import (
+    HELD,
+    CentralNode,
+    HeldState,
+    RunContext,
+    Total,
+    held_items,
+    pull_one,
+)
 from centralpipe.validators import FieldError, checked, sequence_of
 
 __all__ = ["Filter", "FlatMap", "FlatMapState", "Map"]
@@ -30,7 +38,7 @@ PENDING_KEY = "pending"
 @attrs.frozen(kw_only=True)
 class FlatMapState:
     pending: list[Any] = attrs.field(validator=checked(FieldError, "a list", sequence_of()))
-    held: list[Any] = attrs.field(factory=list, validator=HELD)
+    held: list[Any] = attrs.field(factory=list, converter=held_items, validator=HELD)
 
 
 class _OneHeld(CentralNode[Any]):

@@ -147,6 +147,7 @@ def run(
     repeat: int = 1,
     retries: int = 1,
     socket_bytes: int | None = None,
+    seed_corpus: str = "bundled",
 ) -> Results:
     """Run the selected sections; progress goes to stderr.
 
@@ -222,7 +223,7 @@ def run(
         _log("startup: first item, fresh processes")
         res.startup = bench_transport.measure_startup(START_METHODS)
     if "seed" in only:
-        res.seed = bench_seed.measure(scale, _log)
+        res.seed = bench_seed.measure(scale, _log, seed_corpus)
     if "modes" in only:
         res.modes = bench_modes.measure(scale, _log)
     res.elapsed_s = time.perf_counter() - started
@@ -337,6 +338,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "measured capped at 212992 in any case.",
     )
     parser.add_argument(
+        "--seed-corpus",
+        choices=bench_seed.CORPORA,
+        default="bundled",
+        help="the seed section's lines: the bundled text files (default) or the .py files of "
+        "this Python's standard library",
+    )
+    parser.add_argument(
         "--start-method",
         choices=START_METHODS,
         default=None,
@@ -367,6 +375,7 @@ def main(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         repeat=args.repeat,
         retries=args.retries,
         socket_bytes=args.socket_buffer,
+        seed_corpus=args.seed_corpus,
     )
     print(report(res, argv=argv), flush=True)
     return 0

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
-from centralpipe.dispatch.wire import transport
+from centralpipe.dispatch.wire import tokens, transport
 from centralpipe.dispatch.wire.shm import Ring
 from centralpipe.dispatch.wire.stash import RingWriter
 
@@ -170,6 +170,7 @@ class Chunk:
         "cid",
         "closed",
         "first_seq",
+        "flats",
         "held_bytes",
         "items",
         "per_item",
@@ -181,6 +182,7 @@ class Chunk:
         "skip_first",
         "slot",
         "stamps",
+        "state_part",
         "unsendable",
     )
 
@@ -203,6 +205,10 @@ class Chunk:
         self.pinned: Any = None  # a Future of the pinned outputs (pin_memory=True)
         self.per_item = False  # items and outputs sealed one by one (see above)
         self.held_bytes = 0  # bytes its result holds until delivered (dispatch.budget)
+        # The items as sent when each is a list of arrays (wire.tokens), and
+        # their checkpoint form once made (checkpoint.compact): (item count, part).
+        self.flats: list[tokens.Flat] | None = None
+        self.state_part: tuple[int, Any] | None = None
 
 
 class InFlight:
@@ -262,18 +268,20 @@ def send_result(
     result: ChunkResult,
     per_item: bool,
     ring: RingWriter | None = None,
+    flat: bool = True,
 ) -> None:
     """Write a chunk's ``MSG_RESULT``: with no pickle when its outputs are
     all plain tensors or arrays already in ``ring`` (one per input, no
     failure; see :mod:`~centralpipe.dispatch.wire.plain`), else pickled with its
-    outputs sealed (raises whatever pickling raises)."""
+    outputs sealed (``flat``: see :func:`seal_outputs`; raises whatever
+    pickling raises)."""
     if ring is not None and not per_item and result.counts is None and not result.failures:
         prefix = _PLAIN_RESULT.pack(run_id, stream, cid, result.elapsed_s)
         message = transport.dumps_plain(prefix, result.outputs)
         if message is not None:
             transport.write(conn, message, ring)
             return
-    sealed = seal_outputs(result, per_item)
+    sealed = seal_outputs(result, per_item, flat)
     transport.send(conn, (MSG_RESULT, run_id, stream, cid, sealed), ring)
 
 
@@ -309,8 +317,16 @@ def chunk_message(
     items: list[Any],
     skip: frozenset[int],
     rng_key: tuple[int, int],
+    flat_groups: bool = True,
 ) -> tuple[Any, ...]:
-    """The ``MSG_CHUNK`` message of ``chunk`` (of stream ``stream``) with these items."""
+    """The ``MSG_CHUNK`` message of ``chunk`` (of stream ``stream``) with these
+    items; with ``flat_groups``, an item that is a list of 1-D arrays or
+    tensors travels as one buffer plus offsets (:mod:`~centralpipe.dispatch.wire.tokens`)."""
+    if flat_groups:
+        items = [_flat_or_same(x) for x in items]
+        # (no generator here: an interrupt at its start would be swallowed by all())
+        if len(items) == len(chunk.items) and set(map(type, items)) == {tokens.Flat}:
+            chunk.flats = items
     sealed: Any = (
         [transport.Sealed(x) for x in items] if chunk.per_item else transport.Sealed(items)
     )
@@ -328,6 +344,11 @@ def chunk_message(
     )
 
 
+def _flat_or_same(items: Any) -> Any:
+    flat = tokens.flatten(items)
+    return items if flat is None else flat
+
+
 def group_outputs(result: ChunkResult) -> ChunkResult:
     """The result with its outputs grouped per input (a list per input)."""
     counts = result.counts or [1] * len(result.outputs)
@@ -339,10 +360,13 @@ def group_outputs(result: ChunkResult) -> ChunkResult:
     return ChunkResult(groups, list(counts), result.failures, result.elapsed_s)
 
 
-def seal_outputs(result: ChunkResult, per_item: bool) -> ChunkResult:
-    """The result as a worker sends it: outputs sealed whole, or per input."""
+def seal_outputs(result: ChunkResult, per_item: bool, flat: bool = True) -> ChunkResult:
+    """The result as a worker sends it: outputs sealed whole, or per input;
+    with ``flat``, outputs that are all 1-D arrays or tensors of one dtype
+    travel as one buffer plus offsets (:mod:`~centralpipe.dispatch.wire.tokens`)."""
     if not per_item:
-        return result._replace(outputs=transport.Sealed(result.outputs))  # type: ignore[arg-type]
+        outputs = _flat_or_same(result.outputs) if flat else result.outputs
+        return result._replace(outputs=transport.Sealed(outputs))  # type: ignore[arg-type]
     grouped = group_outputs(result)
     return grouped._replace(outputs=[transport.Sealed(g) for g in grouped.outputs])
 
@@ -373,8 +397,11 @@ def decode(message: Encoded) -> Any:
     return transport.loads(message.head, [bytearray(b) for b in message.buffers])
 
 
-def copy_items(items: list[Any]) -> list[Any]:
-    """A serialised round trip of ``items``: what a worker would receive."""
+def copy_items(items: list[Any], flat_groups: bool = True) -> list[Any]:
+    """A serialised round trip of ``items``: what a worker would receive
+    (``flat_groups``: as :func:`chunk_message` sends them)."""
+    if flat_groups:
+        items = [_flat_or_same(x) for x in items]
     copied: list[Any] = transport.copy(items)
     return copied
 

@@ -37,14 +37,19 @@ def is_stateful(fn: Any) -> bool:
 class WorkerChain:
     """Runs the worker stages (``map``/``filter``/``flat_map``/``collate``)."""
 
-    def __init__(self, specs: Sequence[StageSpec], seed: int) -> None:
+    def __init__(self, specs: Sequence[StageSpec], seed: int, flat_arrays: bool = True) -> None:
         self.specs = tuple(specs)
         self.seed = seed
+        #: Lists of 1-D arrays cross as one buffer plus offsets (``wire.tokens``):
+        #: a chunk's outputs on the way back, and each item on the way in.
+        self.flat_arrays = flat_arrays
         self._stages = [(s.kind, s.name, s.fn, bool(s.options.get("with_rng"))) for s in specs]
         # 1:1 chains (only maps/collates) skip the per-input output counts.
         self.one_to_one = all(WORKER_KINDS[kind].outputs == "one" for kind, *_ in self._stages)
+        #: Indexes of the batched maps (``fn(list of items) -> list``).
+        self._batched = frozenset(i for i, s in enumerate(specs) if s.options.get("batched"))
         # Maps without rng run in a tight loop until one raises.
-        plain = self.one_to_one and not any(rng for *_, rng in self._stages)
+        plain = self.one_to_one and not any(rng for *_, rng in self._stages) and not self._batched
         self._plain_maps = [fn for _, _, fn, _ in self._stages] if plain else None
         #: Applied to each final output as it is made (a worker process sets
         #: it to move large outputs into its ring: ``dispatch.stash``).
@@ -110,6 +115,9 @@ class WorkerChain:
         counts: list[int] = []
         failures: list[StageFailure] = []
         begin = 0
+        if self._batched:
+            result = self._run_stagewise(epoch, first_seq, items, skip, status, stream, key0, step)
+            return result._replace(elapsed_s=time.perf_counter() - start)
         if self._plain_maps is not None and not skip:
             failure = self._run_plain(stream, first_seq, items, outputs, status)
             if failure is None:
@@ -175,6 +183,73 @@ class WorkerChain:
             return [out for v in values for out in fn(v)]
         raise AssertionError(f"unknown worker stage kind {kind!r}")
 
+    def _run_stagewise(
+        self,
+        epoch: int,
+        first_seq: int,
+        items: Sequence[Any],
+        skip: frozenset[int],
+        status: Any,
+        stream: int,
+        key0: int,
+        step: int,
+    ) -> ChunkResult:
+        """A chunk through a chain with batched maps: stage by stage, each
+        batched map called once with the values of every live input."""
+        groups: list[list[Any]] = [[] if i in skip else [x] for i, x in enumerate(items)]
+        failed: dict[int, StageFailure] = {}
+        if status is not None and items:
+            status_begin(status, stream, first_seq, 0)
+        for stage_index, (kind, name, fn, with_rng) in enumerate(self._stages):
+            if status is not None and stage_index:
+                status_stage(status, stage_index)
+            live = [i for i in range(len(groups)) if i not in failed and groups[i]]
+            if stage_index in self._batched:
+                self._call_batched(name, fn, groups, live, failed)
+                continue
+            for i in live:
+                try:
+                    groups[i] = self._apply(
+                        kind, name, fn, with_rng, groups[i], epoch, key0 + i * step
+                    )
+                except Exception as exc:
+                    failed[i] = _failure(i, name, exc)
+                    groups[i] = []
+        if status is not None:
+            status_idle(status)
+        keep = self.keep
+        outputs = [v if keep is None else keep(v) for g in groups for v in g]
+        counts = [len(g) for g in groups]
+        failures = [failed[i] for i in sorted(failed)] or None
+        return ChunkResult(outputs, counts, failures, 0.0)
+
+    @staticmethod
+    def _call_batched(
+        name: str,
+        fn: Any,
+        groups: list[list[Any]],
+        live: list[int],
+        failed: dict[int, StageFailure],
+    ) -> None:
+        """``fn`` over the values of the ``live`` inputs in one call; if it
+        raises (or returns the wrong number of outputs), input by input."""
+        values = [v for i in live for v in groups[i]]
+        try:
+            outs = _batched_outputs(fn, values)
+        except Exception:
+            for i in live:
+                try:
+                    groups[i] = _batched_outputs(fn, groups[i])
+                except Exception as exc:
+                    failed[i] = _failure(i, name, exc)
+                    groups[i] = []
+            return
+        pos = 0
+        for i in live:
+            n = len(groups[i])
+            groups[i] = outs[pos : pos + n]
+            pos += n
+
     def make_rng(self, epoch: int, seq: int, stage: str) -> Any:
         import torch
 
@@ -190,3 +265,24 @@ class WorkerChain:
     def states(self) -> dict[str, Any]:
         """``state_dict()`` of each stateful worker-stage callable, by stage name."""
         return {name: fn.state_dict() for _, name, fn, _ in self._stages if is_stateful(fn)}
+
+
+def _failure(i: int, stage: str, exc: Exception) -> StageFailure:
+    return StageFailure(i, stage, type(exc).__name__, exception_text(exc), traceback.format_exc())
+
+
+def _batched_outputs(fn: Any, values: list[Any]) -> list[Any]:
+    """``fn(values)`` as a list of one output per value, else ``TypeError``."""
+    outs = fn(values)
+    try:
+        outs = list(outs)
+    except TypeError:
+        msg = f"a batched map must return a list (one output per item), got {type(outs).__name__}"
+        raise TypeError(msg) from None
+    if len(outs) != len(values):
+        msg = (
+            f"a batched map must return one output per item: {len(values)} item(s) in, "
+            f"{len(outs)} output(s) out"
+        )
+        raise ValueError(msg)
+    return outs

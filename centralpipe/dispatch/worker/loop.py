@@ -269,11 +269,11 @@ def result_message(
     try:
         if isinstance(result.outputs, protocol.Undecodable):
             return protocol.encode((MSG_RESULT, run_id, stream, cid, result))
-        sealed = protocol.seal_outputs(result, per_item)
+        sealed = protocol.seal_outputs(result, per_item, chain.flat_arrays)
         return protocol.encode((MSG_RESULT, run_id, stream, cid, sealed))
     except Exception:
         pass
-    sealed = protocol.seal_outputs(_drop_unpicklable(result, chain), per_item)
+    sealed = protocol.seal_outputs(_drop_unpicklable(result, chain), per_item, chain.flat_arrays)
     return protocol.encode((MSG_RESULT, run_id, stream, cid, sealed))
 
 
@@ -293,13 +293,15 @@ def _send_result(
         if isinstance(result.outputs, protocol.Undecodable):
             protocol.send(conn, (MSG_RESULT, run_id, stream, cid, result), ring)
         else:
-            protocol.send_result(conn, run_id, stream, cid, result, per_item, ring)
+            protocol.send_result(
+                conn, run_id, stream, cid, result, per_item, ring, chain.flat_arrays
+            )
         return True
     except (OSError, EOFError):
         return False
     except Exception:
         pass
-    result = protocol.seal_outputs(_drop_unpicklable(result, chain), per_item)
+    result = protocol.seal_outputs(_drop_unpicklable(result, chain), per_item, chain.flat_arrays)
     try:
         protocol.send(conn, (MSG_RESULT, run_id, stream, cid, result), ring)
         return True

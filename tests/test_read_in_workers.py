@@ -537,3 +537,23 @@ def test_a_count_before_read_lines_keeps_lines_sent(tmp_path: Path) -> None:
         assert list(loader) == EXPECTED["map"]
         assert loader.query("paths") == {"items": len(CORPUS), "weight": len(CORPUS)}
         assert loader.metrics()["par"]["parallel"]["lines_read_in_workers"] == 0
+
+
+@pytest.mark.parametrize("flat_arrays", [True, False], ids=["flat-arrays", "pickled"])
+def test_the_main_process_never_reads_the_lines_of_a_range(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flat_arrays: bool
+) -> None:
+    """The main process sends a range's fields, whatever else is on (flat
+    arrays): only the workers read its bytes."""
+    from centralpipe.dispatch.worker.ranges import LineRange
+
+    main, read = os.getpid(), LineRange.read_bytes
+
+    def read_in_a_worker_only(self: LineRange) -> bytes:
+        assert os.getpid() != main, "the main process read the lines of a range"
+        return read(self)
+
+    monkeypatch.setattr(LineRange, "read_bytes", read_in_a_worker_only)
+    glob = _write(tmp_path, {"a.txt": b"".join(b"line %d\n" % i for i in range(60))})
+    out, _, _ = _run(_pipe(glob), _cfg(2, on=True, flat_arrays=flat_arrays))
+    assert out == [f"<line {i}>" for i in range(60)]

@@ -322,7 +322,9 @@ def chunk_message(
     """The ``MSG_CHUNK`` message of ``chunk`` (of stream ``stream``) with these
     items; with ``flat_groups``, an item that is a list of 1-D arrays or
     tensors travels as one buffer plus offsets (:mod:`~centralpipe.dispatch.wire.tokens`)."""
-    if flat_groups:
+    # A byte range of lines (``worker.ranges.LineRange``) goes as its fields:
+    # its lines are read by the worker, never here.
+    if flat_groups and isinstance(items, list):
         items = [_flat_or_same(x) for x in items]
         # (no generator here: an interrupt at its start would be swallowed by all())
         if len(items) == len(chunk.items) and set(map(type, items)) == {tokens.Flat}:
@@ -400,7 +402,9 @@ def decode(message: Encoded) -> Any:
 def copy_items(items: list[Any], flat_groups: bool = True) -> list[Any]:
     """A serialised round trip of ``items``: what a worker would receive
     (``flat_groups``: as :func:`chunk_message` sends them)."""
-    if flat_groups:
+    # A byte range of lines (``worker.ranges.LineRange``) goes as its fields:
+    # its lines are read by the worker, never here.
+    if flat_groups and isinstance(items, list):
         items = [_flat_or_same(x) for x in items]
     copied: list[Any] = transport.copy(items)
     return copied

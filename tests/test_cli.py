@@ -281,8 +281,8 @@ def test_quick_seed_bench_prints_its_table() -> None:
     assert [r.split(" | ")[1] for r in python_rows] == contenders
     for row in python_rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert len(cells) == 8 and cells[4].endswith("x") and cells[6].endswith("%"), row
-        assert float(cells[7]) > 0, row  # main-process CPU µs a line
+        # main-process CPU per line is in its own table, by thread (below)
+        assert len(cells) == 7 and cells[4].endswith("x") and cells[6].endswith("%"), row
     bpe_rows = [r for r in rows if r.startswith("| BPE (tokenizers) |")]
     assert len(bpe_rows) == len(contenders) or (
         len(bpe_rows) == 1 and "skipped: `tokenizers` is not importable" in bpe_rows[0]

@@ -150,6 +150,12 @@ RANGE_TEXT = (
 )
 
 
+def _decoded_items(value: Any) -> list[Any]:
+    """A boundary's ``items``: a list, or their compact form decoded."""
+    items: list[Any] = compact.decoded_items("items", value)
+    return items
+
+
 @attrs.frozen(kw_only=True)
 class Boundary:
     """The inputs sent across one boundary (e.g. ``dispatch``) and not yet
@@ -158,7 +164,7 @@ class Boundary:
     next_seq: int = attrs.field(validator=_count())
     first_seq: int = attrs.field(validator=_count())
     items: list[Any] = attrs.field(
-        converter=lambda value: compact.decoded_items("items", value),
+        converter=_decoded_items,
         validator=checked(FieldError, "a list", sequence_of()),
     )
     stamps: list[Any] | None = attrs.field(

@@ -37,7 +37,9 @@ def _chunk_part(chunk: Chunk) -> Any:
     if cached is not None and cached[0] == n:
         return cached[1]
     flats = chunk.flats
-    part = part_of_flats(flats) if flats is not None and len(flats) == n else None
+    part: dict[str, Any] | list[Any] | None = (
+        part_of_flats(flats) if flats is not None and len(flats) == n else None
+    )
     if part is None:
         part = pack_part(chunk.items)
     if chunk.closed:  # its items are final

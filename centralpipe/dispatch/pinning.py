@@ -22,11 +22,14 @@ on MPS torch cannot pin (torch's DataLoader turns it off there too):
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
+import sys
 import threading
 import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future
+from types import FrameType
 from typing import Any
 
 import torch
@@ -155,6 +158,20 @@ class Pinner:
             join_started(thread, _CLOSE_TIMEOUT_S)
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of a warning issued by this module's caller that
+    names the user's line: the first frame outside the package, however
+    deep the Loader's construction calls (in process or a service's client)."""
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def make_pinner(enabled: bool) -> Pinner | None:
     """A :class:`Pinner` when ``enabled`` and an accelerator exists; else
     ``None`` (with a warning when it was asked for)."""
@@ -166,7 +183,7 @@ def make_pinner(enabled: bool) -> Pinner | None:
             "LoaderConfig(pin_memory=True) but no accelerator is available "
             "(torch.accelerator.is_available() is False): tensors are not pinned.",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=_user_stacklevel(),
         )
         return None
     if device.type in _CANNOT_PIN:
@@ -174,7 +191,7 @@ def make_pinner(enabled: bool) -> Pinner | None:
             f"LoaderConfig(pin_memory=True) but torch cannot pin memory for the "
             f"'{device.type}' accelerator: tensors are not pinned.",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=_user_stacklevel(),
         )
         return None
     return Pinner(torch.accelerator.current_device_index())

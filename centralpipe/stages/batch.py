@@ -81,6 +81,16 @@ def _heap_entry(inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
     _COUNT(inst, attr, value[1])
 
 
+def _decoded_batch(value: Any) -> list[Any]:
+    items: list[Any] = compact.decoded_items(BATCH_KEY, value)
+    return items
+
+
+def _decoded_ready(value: Any) -> list[Any]:
+    items: list[Any] = compact.decoded_items(READY_KEY, value)
+    return items
+
+
 @attrs.frozen(kw_only=True)
 class BucketState:
     """The heap ``[[length, arrival, item], ...]`` (saved compact as
@@ -94,7 +104,7 @@ class BucketState:
         ),
     )
     batch: list[Any] = attrs.field(
-        converter=lambda value: compact.decoded_items(BATCH_KEY, value),
+        converter=_decoded_batch,
         validator=checked(FieldError, "a list", sequence_of()),
     )
     batch_tokens: int = attrs.field(validator=checked(FieldError, "an int >= 0", _COUNT))
@@ -104,7 +114,7 @@ class BucketState:
     held: list[Any] = attrs.field(factory=list, converter=held_items, validator=HELD)
     ready: list[Any] = attrs.field(
         factory=list,
-        converter=lambda value: compact.decoded_items(READY_KEY, value),
+        converter=_decoded_ready,
         validator=checked(FieldError, "a list (a batch not handed out yet)", sequence_of()),
     )
 
@@ -256,7 +266,7 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
                     if bulk:
                         source.pull_into(held, PULL_BULK)  # type: ignore[union-attr]
                     else:
-                        pull_one(source, held)  # type: ignore[arg-type]
+                        pull_one(source, held)
                 except StopIteration:
                     self._ended = True
                     if not held:

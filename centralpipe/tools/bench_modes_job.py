@@ -19,6 +19,7 @@ import argparse
 import glob
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         central=args.central,
     )
     meter = CpuMeter()
-    with cp.Loader(pipe, config) as loader:
+    with cp.Loader[Any](pipe, config) as loader:
         sum(1 for _ in loader)  # warm-up: the workers (and the service) are up
         dist.barrier()
         cpu0, t0 = _tree_cpu_s(meter), time.perf_counter()

@@ -636,9 +636,9 @@ def measure(
         buffer = max(1000, STATE_BUFFER // scale)
         want = 2 * buffer + STATE_CALLS * 400  # a full buffer at every call
         state_lines = (lines_in * (1 + want // len(lines_in)))[:want]
-        for form, fn in (("token lists", tok), ("int32 arrays", forms.arrays)):
+        for form, form_tok in (("token lists", tok), ("int32 arrays", forms.arrays)):
             log(f"seed: {name}: state_dict(), {form}")
-            res.states.append(measure_state(state_lines, fn, form, buffer))
+            res.states.append(measure_state(state_lines, form_tok, form, buffer))
         res.state_buffer = buffer
     return results
 

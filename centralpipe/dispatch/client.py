@@ -64,17 +64,24 @@ class _Link:
     ring: shm.Ring | None = None
     pinner: Pinner | None = None
     exit_hook: Any = None
+    #: How long a close waits for the service to end before stopping it.
+    close_timeout_s: float = CLOSE_TIMEOUT_S
 
 
 def _shutdown(link: _Link) -> None:
     """Ask the service to end, wait (bounded), then terminate and kill; close
     the connection, the ring and the pin thread. Takes no lock; idempotent."""
     proc, conn = link.proc, link.conn
-    if proc.pid is not None:  # started
+    if proc is None:  # central="node" on a rank that did not start the service
         if conn is not None:
             with contextlib.suppress(OSError, ValueError):
                 conn.send(("close", ()))
-            wait([proc.sentinel], CLOSE_TIMEOUT_S)
+                conn.poll(CLOSE_TIMEOUT_S)
+    elif proc.pid is not None:  # started
+        if conn is not None:
+            with contextlib.suppress(OSError, ValueError):
+                conn.send(("close", ()))
+            wait([proc.sentinel], link.close_timeout_s)
         proc.join(0.1)
         if proc.exitcode is None:
             proc.terminate()
@@ -118,6 +125,7 @@ class ServiceClient:
             name="centralpipe-service",
         )
         link = self._link = _Link(proc=proc, path=path)
+        self._service_pid = 0
         self._epoch = 0
         self._dead: str | None = None
         #: Requests sent whose replies are not read yet, oldest first (more
@@ -173,7 +181,8 @@ class ServiceClient:
     @property
     def service_pid(self) -> int:
         """The service's process id (e.g. for monitoring)."""
-        pid: int = self._link.proc.pid
+        proc = self._link.proc
+        pid: int = self._service_pid if proc is None else proc.pid
         return pid
 
     @property
@@ -184,13 +193,18 @@ class ServiceClient:
 
     def _died(self, when: str) -> None:
         proc = self._link.proc
-        proc.join(0.5)
-        code = proc.exitcode
+        if proc is None:
+            what = f"of this node (pid {self._service_pid}) ended {when} (the connection closed)"
+        else:
+            proc.join(0.5)
+            code = proc.exitcode
+            what = (
+                f"of this Loader (pid {proc.pid}) died {when} "
+                f"(exit code {code}; negative: killed by that signal)"
+            )
         self._dead = (
-            f"the central service of this Loader (pid {proc.pid}) died {when} "
-            f"(exit code {code}; negative: killed by that signal). The pass and the "
-            "position are lost with it: close this Loader, create a new one and "
-            "load_state_dict() the last checkpoint."
+            f"the central service {what}. The pass and the position are lost with it: "
+            "close this Loader, create a new one and load_state_dict() the last checkpoint."
         )
         raise ServiceError(self._dead)
 
@@ -201,9 +215,10 @@ class ServiceClient:
         if conn is None:
             conn, ring = self._link.conn, self._link.ring
         assert conn is not None
-        sentinel = self._link.proc.sentinel
+        proc = self._link.proc
+        watched = [conn] if proc is None else [conn, proc.sentinel]
         while True:
-            ready = wait([conn, sentinel], POLL_S)  # where an interrupt lands, harmlessly
+            ready = wait(watched, POLL_S)  # where an interrupt lands, harmlessly
             if conn in ready:
                 break
             if ready:

@@ -39,7 +39,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -148,9 +148,15 @@ class _Server:
         self._pass_id = 0
         self._outputs: Iterator[Any] | None = None
 
-    def run(self, pipeline: Pipeline, config: LoaderConfig, control: Connection) -> None:
+    def run(
+        self,
+        pipeline: Pipeline,
+        config: LoaderConfig,
+        control: Connection,
+        make: Callable[[], LocalCentral] | None = None,
+    ) -> None:
         try:
-            central = LocalCentral(pipeline, config)
+            central = LocalCentral(pipeline, config) if make is None else make()
         except Exception as exc:
             self._reply("err", exc)
             return

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import centralpipe as cp
-from centralpipe.dispatch import node
+from centralpipe.dispatch import nodeservice
 
 N = 23
 
@@ -168,9 +168,9 @@ def test_token_file_is_private_and_read_back(tmp_path: Path) -> None:
     """The token is written ``0600`` and read back exactly."""
     path = tmp_path / "t.token"
     token = os.urandom(32)
-    node.write_token(path, token)
+    nodeservice.write_token(path, token)
     assert path.stat().st_mode & 0o777 == 0o600
-    assert node.read_token(path, 1.0) == token
+    assert nodeservice.read_token(path, 1.0) == token
 
 
 @pytest.mark.parametrize(
@@ -187,4 +187,4 @@ def test_bad_token_files_are_refused(tmp_path: Path, setup: Any, message: str) -
     path = tmp_path / "t.token"
     setup(path)
     with pytest.raises(cp.ServiceError, match=message):
-        node.read_token(path, 0.2)
+        nodeservice.read_token(path, 0.2)

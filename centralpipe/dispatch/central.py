@@ -13,7 +13,7 @@ implementation from ``LoaderConfig.central``:
   central stages, the dispatch and the worker pool in the caller's process;
 - ``"service"``: :class:`~centralpipe.dispatch.client.ServiceClient`, a thin
   client of a ``LocalCentral`` run in one helper process for this Loader;
-- ``"node"``: :class:`~centralpipe.dispatch.node.NodeClient`, the same thin
+- ``"node"``: :class:`~centralpipe.dispatch.nodeservice.NodeClient`, the same thin
   client of one service per node shared by the node's local ranks.
 
 The Loader does not know which it has: every method behaves the same, and
@@ -28,7 +28,7 @@ from typing import Any, Protocol
 from centralpipe.config import LoaderConfig
 from centralpipe.dispatch.client import ServiceClient
 from centralpipe.dispatch.local import LocalCentral
-from centralpipe.dispatch.node import NodeClient
+from centralpipe.dispatch.nodeservice import NodeClient
 from centralpipe.plan.pipeline import Pipeline
 from centralpipe.stages.totals import Total
 

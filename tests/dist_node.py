@@ -5,9 +5,11 @@ Usage: ``python -m torch.distributed.run --nproc_per_node=2 ... tests/dist_node.
 Both local ranks share one ``central="node"`` service per Loader. Each rank
 writes ``OUT_DIR/rank<r>.json``: its whole shard in ``process`` and ``node``
 mode, the rest of the epoch resumed in each mode from a state taken after
-``STEP`` items in each mode, the ranks' merged states resumed on one rank,
+``STEP`` items in each mode (and from the ``gather_states`` global state of
+each mode, in node mode), the ranks' merged states resumed on one rank,
 and the errors each rank saw when the service was killed, when the other
-local rank's client was killed, and when the other local rank stopped reading.
+local rank's client was killed, and when the other local rank stopped
+reading; and ``OUT_DIR/node-state-rank<r>.pt``, its node-mode state.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 import centralpipe as cp
@@ -35,6 +38,7 @@ MODES = ("process", "node")
 node.WINDOW_ITEMS = 4
 #: The stall test's; the other checks keep the default.
 STALL_S = 2.0
+OUT = Path()
 
 
 def config(central: str) -> cp.LoaderConfig:
@@ -65,12 +69,17 @@ def run_rank() -> dict[str, Any]:
             it = iter(loader)
             result["head"][mode] = [next(it) for _ in range(STEP)]
             states[mode] = loader.state_dict()
+            gathered_state = cp.gather_states(loader)
+        with cp.Loader(pipe, config("node")) as loader:  # every local rank loads the same
+            loader.load_state_dict(gathered_state)
+            result.setdefault("gathered", {})[mode] = list(loader)
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, states[mode])
         one = cp.LoaderConfig(workers=cp.WorkerConfig(num_workers=0))
         with cp.Loader(pipe, one) as loader:
             loader.load_state_dict(cp.merge_states(gathered))
             result["merged"][mode] = list(loader)
+    torch.save(states["node"], OUT / f"node-state-rank{rank}.pt")
     for saved in MODES:
         for resumed in MODES:
             with cp.Loader(pipe, config(resumed)) as loader:
@@ -136,7 +145,9 @@ def _stalled(pipe: cp.Pipeline, rank: int) -> str:
 
 
 def main() -> int:
-    return rank_main(run_rank, Path(sys.argv[1]))
+    global OUT
+    OUT = Path(sys.argv[1])
+    return rank_main(run_rank, OUT)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ what they saw; the assertions are made here, on both ranks' files together.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +27,14 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(RUN_TIMEOUT_S + 30)]
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("node")
+
+
+@pytest.fixture(scope="module")
+def ranks(out: Path) -> list[dict[str, Any]]:
     """What each rank of one torchrun launch of ``dist_node.py`` wrote."""
-    return rank_results(SCRIPT, tmp_path_factory.mktemp("node"), nproc=WORLD_SIZE)
+    return rank_results(SCRIPT, out, nproc=WORLD_SIZE)
 
 
 def test_every_rank_gets_its_process_mode_batches(ranks: list[dict[str, Any]]) -> None:
@@ -60,6 +67,32 @@ def test_node_states_merge_like_process_states(ranks: list[dict[str, Any]]) -> N
         assert result["merged"]["node"] == result["merged"]["process"]
         heads = ranks[0]["head"]["node"] + ranks[1]["head"]["node"]
         assert sorted(heads + result["merged"]["node"]) == all_items
+
+
+@pytest.mark.parametrize("saved", ["process", "node"])
+def test_every_local_rank_resumes_one_gathered_state(
+    ranks: list[dict[str, Any]], saved: str
+) -> None:
+    """``gather_states`` works in node mode, and every local rank loading the
+    one global state (from either mode) resumes exactly its own shard's rest."""
+    for result in ranks:
+        assert result["head"][saved] + result["gathered"][saved] == result["full"]["process"][0]
+
+
+@pytest.mark.parametrize("rank", [0, 1], ids=["rank0", "rank1"])
+def test_inspect_reads_a_node_mode_state(ranks: list[dict[str, Any]], out: Path, rank: int) -> None:
+    """``python -m centralpipe inspect`` summarises a node-mode state saved
+    with ``torch.save`` like any per-rank state: its rank and world size."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "centralpipe", "inspect", str(out / f"node-state-rank{rank}.pt")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"rank / world size: {rank} / {WORLD_SIZE}\n" in proc.stdout, proc.stdout
+    assert f"delivered this epoch: {STEP} items\n" in proc.stdout
 
 
 def test_a_killed_service_is_an_error_on_both_ranks(ranks: list[dict[str, Any]]) -> None:

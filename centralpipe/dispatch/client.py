@@ -36,7 +36,7 @@ from centralpipe.errors import PipelineError, ServiceError
 from centralpipe.plan.pipeline import Pipeline
 from centralpipe.stages.totals import Total
 
-__all__ = ["CLOSE_TIMEOUT_S", "POLL_S", "START_TIMEOUT_S", "ServiceClient"]
+__all__ = ["CLOSE_TIMEOUT_S", "POLL_S", "START_TIMEOUT_S", "Link", "ServiceClient", "shutdown"]
 
 #: Longest wait for the service to start and build the pipeline's stages.
 START_TIMEOUT_S = 120.0
@@ -54,7 +54,7 @@ _ENDS_A_PASS = ("start", "stop", "load", "set_next_epoch")
 
 
 @attrs.define
-class _Link:
+class Link:
     """What the client's finalizer releases (apart from the client)."""
 
     proc: Any
@@ -68,7 +68,7 @@ class _Link:
     close_timeout_s: float = CLOSE_TIMEOUT_S
 
 
-def _shutdown(link: _Link) -> None:
+def shutdown(link: Link) -> None:
     """Ask the service to end, wait (bounded), then terminate and kill; close
     the connection, the ring and the pin thread. Takes no lock; idempotent."""
     proc, conn = link.proc, link.conn
@@ -124,7 +124,7 @@ class ServiceClient:
             args=(pipeline, inner, path, token, os.getpid(), ready_w, with_ring),
             name="centralpipe-service",
         )
-        link = self._link = _Link(proc=proc, path=path)
+        link = self._link = Link(proc=proc, path=path)
         self._service_pid = 0
         self._epoch = 0
         self._dead: str | None = None
@@ -147,7 +147,7 @@ class ServiceClient:
                 raise PipelineError(msg) from exc
             finally:
                 ready_w.close()
-            self._finalizer = weakref.finalize(self, _shutdown, link)
+            self._finalizer = weakref.finalize(self, shutdown, link)
             link.exit_hook = self._finalizer
             # Before multiprocessing's own exit hook (which joins this process).
             atexit.register(self._finalizer)
@@ -175,7 +175,7 @@ class ServiceClient:
             self._epoch = value
             link.pinner = make_pinner(config.pin_memory)
         except BaseException:
-            _shutdown(link)
+            shutdown(link)
             raise
 
     @property

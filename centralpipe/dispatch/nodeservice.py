@@ -32,11 +32,11 @@ import attrs
 
 from centralpipe.config import DistributedConfig, LoaderConfig
 from centralpipe.dispatch import node, rendezvous
-from centralpipe.dispatch.client import START_TIMEOUT_S, ServiceClient, _Link, _shutdown
+from centralpipe.dispatch.client import START_TIMEOUT_S, Link, ServiceClient, shutdown
 from centralpipe.dispatch.local import LocalCentral
 from centralpipe.dispatch.node import NodeStream, RankCentral, check_node_pipeline
 from centralpipe.dispatch.pinning import make_pinner
-from centralpipe.dispatch.service import ACCEPT_TIMEOUT_S, WATCHDOG_S, _Server
+from centralpipe.dispatch.service import ACCEPT_TIMEOUT_S, WATCHDOG_S, Server
 from centralpipe.dispatch.wire import shm
 from centralpipe.dispatch.wire.stash import RingWriter, receive_ring
 from centralpipe.dispatch.worker.loop import main_alive
@@ -229,7 +229,7 @@ def _serve_rank(
         control.close()
 
 
-class _NodeServer(_Server):
+class _NodeServer(Server):
     """A rank's request loop; every request fails once the node is broken."""
 
     def __init__(
@@ -238,12 +238,12 @@ class _NodeServer(_Server):
         super().__init__(conn, ring)
         self._stream = stream
 
-    def _handle(self, central: LocalCentral, op: str, args: tuple[Any, ...]) -> None:
+    def handle_request(self, central: LocalCentral, op: str, args: tuple[Any, ...]) -> None:
         stream = self._stream
         if stream is not None and stream.broken is not None and op != "metrics":
             self._reply("err", ServiceError(stream.broken))
             return
-        super()._handle(central, op, args)
+        super().handle_request(central, op, args)
 
 
 def _accept_all(
@@ -339,7 +339,7 @@ class NodeClient(ServiceClient):
                 args=(pipeline, inner, path, token, str(tpath), os.getpid(), ready_w, per_node),
                 name="centralpipe-node-service",
             )
-        link = self._link = _Link(proc=proc, path=path if local == 0 else "")
+        link = self._link = Link(proc=proc, path=path if local == 0 else "")
         link.close_timeout_s = node.STALL_TIMEOUT_S
         try:
             if proc is not None:
@@ -353,7 +353,7 @@ class NodeClient(ServiceClient):
                     ) from exc
                 finally:
                     ready_w.close()
-            self._finalizer = weakref.finalize(self, _shutdown, link)
+            self._finalizer = weakref.finalize(self, shutdown, link)
             link.exit_hook = self._finalizer
             atexit.register(self._finalizer)
             if proc is not None:
@@ -382,7 +382,7 @@ class NodeClient(ServiceClient):
             self._epoch = value
             link.pinner = make_pinner(config.pin_memory)
         except BaseException:
-            _shutdown(link)
+            shutdown(link)
             raise
 
     def _connect(

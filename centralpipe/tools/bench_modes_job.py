@@ -22,6 +22,7 @@ import argparse
 import glob
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         central=args.central,
     )
     meter = CpuMeter()
+    loader: cp.Loader[Any]
     with cp.Loader(pipe, config) as loader:
         sum(1 for _ in loader)  # warm-up: the workers (and the service) are up
         dist.barrier()

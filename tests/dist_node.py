@@ -9,7 +9,8 @@ mode, the rest of the epoch resumed in each mode from a state taken after
 each mode, in node mode), the ranks' merged states resumed on one rank,
 and the errors each rank saw when the service was killed, when the other
 local rank's client was killed, and when the other local rank stopped
-reading; and ``OUT_DIR/node-state-rank<r>.pt``, its node-mode state.
+reading; which of the service and its workers outlived the Loaders'
+close; and ``OUT_DIR/node-state-rank<r>.pt``, its node-mode state.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 import centralpipe as cp
 from centralpipe.dispatch import node, nodeservice
+from centralpipe.dispatch.worker.loop import main_alive
 from tests._torchrun import rank_main
 from tests.dist_modes import make_pipe
 
@@ -65,6 +67,11 @@ def run_rank() -> dict[str, Any]:
     for mode in MODES:
         with cp.Loader(pipe, config(mode)) as loader:
             result["full"][mode] = [list(loader), list(loader)]
+            if mode == "node":
+                central: Any = loader._central
+                pids = [central.service_pid, *loader.worker_pids()]
+        if mode == "node":
+            result["left_alive"] = _alive_after(pids, 10.0)
         with cp.Loader(pipe, config(mode)) as loader:
             it = iter(loader)
             result["head"][mode] = [next(it) for _ in range(STEP)]
@@ -89,6 +96,16 @@ def run_rank() -> dict[str, Any]:
     result["rank_killed"] = _rank_killed(pipe, rank)
     result["stalled"] = _stalled(pipe, rank)
     return result
+
+
+def _alive_after(pids: list[int], within_s: float) -> list[int]:
+    """Which of ``pids`` still live (zombies count as gone) ``within_s`` after now."""
+    deadline = time.monotonic() + within_s
+    while True:
+        alive = [p for p in pids if main_alive(p)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
 
 
 def _service_killed(pipe: cp.Pipeline, rank: int) -> str:

@@ -95,6 +95,14 @@ def test_inspect_reads_a_node_mode_state(ranks: list[dict[str, Any]], out: Path,
     assert f"delivered this epoch: {STEP} items\n" in proc.stdout
 
 
+def test_the_service_and_its_workers_end_with_the_last_close(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """Once both local ranks closed their Loaders, neither the node's service
+    nor any of its workers is alive (within 10 s)."""
+    assert [result["left_alive"] for result in ranks] == [[], []]
+
+
 def test_a_killed_service_is_an_error_on_both_ranks(ranks: list[dict[str, Any]]) -> None:
     """SIGKILL of the node's service: the next ``next()`` of each local rank
     raises ``ServiceError`` saying the service is gone."""

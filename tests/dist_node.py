@@ -30,7 +30,7 @@ import centralpipe as cp
 from centralpipe.dispatch import node, nodeservice
 from centralpipe.dispatch.worker.loop import main_alive
 from tests._torchrun import rank_main
-from tests.dist_modes import make_pipe
+from tests.dist_modes import make_pipe, plus_one, square
 
 N = 41
 STEP = 7
@@ -87,6 +87,11 @@ def run_rank() -> dict[str, Any]:
             loader.load_state_dict(cp.merge_states(gathered))
             result["merged"][mode] = list(loader)
     torch.save(states["node"], OUT / f"node-state-rank{rank}.pt")
+    result["equalize"] = {}
+    for equalize in (None, "pad"):
+        for mode in MODES:
+            with cp.Loader(_pipe(equalize), config(mode)) as loader:
+                result["equalize"].setdefault(str(equalize), {})[mode] = list(loader)
     for saved in MODES:
         for resumed in MODES:
             with cp.Loader(pipe, config(resumed)) as loader:
@@ -96,6 +101,18 @@ def run_rank() -> dict[str, Any]:
     result["rank_killed"] = _rank_killed(pipe, rank)
     result["stalled"] = _stalled(pipe, rank)
     return result
+
+
+def _pipe(equalize: str | None) -> cp.Pipeline:
+    return (
+        cp.Pipeline.from_iterable(range(N))
+        .shuffle(8)
+        .map(square)
+        .count("pre_shard")
+        .shard(equalize=equalize)
+        .dispatch()
+        .map(plus_one)
+    )
 
 
 def _alive_after(pids: list[int], within_s: float) -> list[int]:

@@ -47,6 +47,19 @@ def test_every_rank_gets_its_process_mode_batches(ranks: list[dict[str, Any]]) -
     assert len(set(together)) == len(together) == N // WORLD_SIZE * WORLD_SIZE
 
 
+@pytest.mark.parametrize("equalize", ["None", "pad"], ids=["none", "pad"])
+def test_uneven_and_padded_shards_equal_process_mode(
+    ranks: list[dict[str, Any]], equalize: str
+) -> None:
+    """With ``equalize=None`` (21 and 20 items) and ``"pad"`` (21 each) each
+    rank's epoch in ``"node"`` equals its epoch in ``"process"``."""
+    sizes = {"None": [21, 20], "pad": [21, 21]}[equalize]
+    for result, size in zip(ranks, sizes, strict=True):
+        got = result["equalize"][equalize]
+        assert got["node"] == got["process"]
+        assert len(got["node"]) == size
+
+
 @pytest.mark.parametrize(
     "pair", ["process-to-process", "process-to-node", "node-to-process", "node-to-node"]
 )

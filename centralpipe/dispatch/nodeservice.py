@@ -171,9 +171,12 @@ def serve_node(
         failure = None
         stream.pids = list(pids)
     share = max(1, config.workers.num_workers // local_world) if config.workers.num_workers else 0
-    threads = []
-    build = threading.Lock()
-    for rank, (conn, control, _pid, ring) in links.items():
+    # Every rank's central part first, then the requests: a rank that reads
+    # at once must find the others' shards there (the window keeps their
+    # items), however the threads are scheduled.
+    built: dict[int, LocalCentral | Exception] = {}
+    configs: dict[int, LoaderConfig] = {}
+    for rank in links:
         dist = DistributedConfig(rank=base + rank, world_size=config.distributed.world_size)
         inner = attrs.evolve(
             config,
@@ -182,9 +185,19 @@ def serve_node(
             distributed=dist,
             workers=attrs.evolve(config.workers, num_workers=share),
         )
+        configs[rank] = inner
+        try:
+            if failure is not None:
+                raise failure
+            assert stream is not None
+            built[rank] = RankCentral(pipeline, inner, stream, rank)
+        except Exception as exc:
+            built[rank] = exc
+    threads = []
+    for rank, (conn, control, _pid, ring) in links.items():
         t = threading.Thread(
             target=_serve_rank,
-            args=(pipeline, inner, stream, failure, rank, conn, control, ring, build),
+            args=(pipeline, configs[rank], built[rank], stream, rank, conn, control, ring),
             name=f"centralpipe-node-rank{rank}",
             daemon=True,
         )
@@ -192,6 +205,9 @@ def serve_node(
         threads.append(t)
     for t in threads:
         t.join()
+    for central in built.values():
+        if not isinstance(central, Exception):
+            central.close()
     if stream is not None:
         stream.release()
 
@@ -199,22 +215,19 @@ def serve_node(
 def _serve_rank(
     pipeline: Pipeline,
     config: LoaderConfig,
+    built: LocalCentral | Exception,
     stream: NodeStream | None,
-    failure: Exception | None,
     rank: int,
     conn: Connection,
     control: Connection,
     ring: RingWriter | None,
-    build: threading.Lock,
 ) -> None:
     clean = False
 
     def make() -> LocalCentral:
-        if failure is not None:
-            raise failure
-        assert stream is not None
-        with build:
-            return RankCentral(pipeline, config, stream, rank)
+        if isinstance(built, Exception):
+            raise built
+        return built
 
     server = _NodeServer(conn, ring, stream)
     try:

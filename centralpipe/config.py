@@ -31,7 +31,7 @@ START_METHODS = ("fork", "forkserver", "spawn")
 ON_ERROR = ("raise", "skip")
 EXECUTORS = ("process", "thread")
 #: Where a Loader's central part runs (``LoaderConfig.central``).
-CENTRAL_MODES = ("process", "service")
+CENTRAL_MODES = ("process", "service", "node")
 #: Default shared memory per worker process for large result buffers.
 DEFAULT_SHARED_MEMORY_BYTES = 64 * 2**20
 MIN_SHARED_MEMORY_BYTES = 2**20
@@ -253,8 +253,11 @@ class LoaderConfig:
             run: ``"process"`` (default) in the training process;
             ``"service"`` in one helper process for this Loader, the training
             process keeping a thin client that receives the outputs through
-            shared memory. Same API, same checkpoints (a state saved in one
-            mode resumes in the other).
+            shared memory; ``"node"`` in one helper process per node shared
+            by the node's local ranks (torchrun's ``LOCAL_RANK`` and
+            ``LOCAL_WORLD_SIZE``), which runs the stages before ``shard()``
+            once for all of them. Same API, same checkpoints (a state saved
+            in one mode resumes in the others).
     """
 
     workers: WorkerConfig = attrs.field(factory=WorkerConfig, validator=_instance(WorkerConfig))

@@ -439,12 +439,12 @@ def test_a_stage_that_fails_to_build_fails_the_loader() -> None:
 
 
 @pytest.mark.parametrize(
-    "value", ["node", "services", 1, None], ids=["node", "misspelt", "int", "none"]
+    "value", ["nodes", "services", 1, None], ids=["plural", "misspelt", "int", "none"]
 )
 def test_central_must_be_a_known_mode(value: Any) -> None:
-    """``central`` outside ``"process"``/``"service"`` is a ``ConfigError``
-    naming the field and the choices."""
-    with pytest.raises(cp.ConfigError, match=r"`central`.*'process', 'service'"):
+    """``central`` outside ``"process"``/``"service"``/``"node"`` is a
+    ``ConfigError`` naming the field and the choices."""
+    with pytest.raises(cp.ConfigError, match=r"`central`.*'process', 'service', 'node'"):
         cp.LoaderConfig(central=value)
 
 

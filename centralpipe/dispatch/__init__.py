@@ -23,6 +23,10 @@ Main process, one pass of the Loader:
   through a shared-memory ring).
 - ``rendezvous`` finding and trusting a service: the private socket
   directory of the job, peer credentials, the token handshake.
+- ``node``      ``central="node"``: the stages before ``shard()`` shared by
+  a node's local ranks (their window, each rank's shard and checkpoint).
+- ``nodeservice`` the node's service process and its clients (local rank 0
+  starts it; the token file for the others).
 - ``boundary``  assembling a run of every stream (``Run``).
 - ``warm``      the inline warm start: the first chunks run in the main process
   while the workers start.

@@ -12,7 +12,9 @@ implementation from ``LoaderConfig.central``:
 - ``"process"``: :class:`~centralpipe.dispatch.local.LocalCentral`, the
   central stages, the dispatch and the worker pool in the caller's process;
 - ``"service"``: :class:`~centralpipe.dispatch.client.ServiceClient`, a thin
-  client of a ``LocalCentral`` run in one helper process for this Loader.
+  client of a ``LocalCentral`` run in one helper process for this Loader;
+- ``"node"``: :class:`~centralpipe.dispatch.nodeservice.NodeClient`, the same thin
+  client of one service per node shared by the node's local ranks.
 
 The Loader does not know which it has: every method behaves the same, and
 ``state()`` has the same per-rank format in every mode.
@@ -26,6 +28,7 @@ from typing import Any, Protocol
 from centralpipe.config import LoaderConfig
 from centralpipe.dispatch.client import ServiceClient
 from centralpipe.dispatch.local import LocalCentral
+from centralpipe.dispatch.nodeservice import NodeClient
 from centralpipe.plan.pipeline import Pipeline
 from centralpipe.stages.totals import Total
 
@@ -68,4 +71,6 @@ def open_central(pipeline: Pipeline, config: LoaderConfig) -> Central:
     starts before the first pass (workers in the background, the service)."""
     if config.central == "service":
         return ServiceClient(pipeline, config)
+    if config.central == "node":
+        return NodeClient(pipeline, config)
     return LocalCentral(pipeline, config)

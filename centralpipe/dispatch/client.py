@@ -36,7 +36,7 @@ from centralpipe.errors import PipelineError, ServiceError
 from centralpipe.plan.pipeline import Pipeline
 from centralpipe.stages.totals import Total
 
-__all__ = ["CLOSE_TIMEOUT_S", "POLL_S", "START_TIMEOUT_S", "ServiceClient"]
+__all__ = ["CLOSE_TIMEOUT_S", "POLL_S", "START_TIMEOUT_S", "Link", "ServiceClient", "shutdown"]
 
 #: Longest wait for the service to start and build the pipeline's stages.
 START_TIMEOUT_S = 120.0
@@ -54,7 +54,7 @@ _ENDS_A_PASS = ("start", "stop", "load", "set_next_epoch")
 
 
 @attrs.define
-class _Link:
+class Link:
     """What the client's finalizer releases (apart from the client)."""
 
     proc: Any
@@ -64,17 +64,24 @@ class _Link:
     ring: shm.Ring | None = None
     pinner: Pinner | None = None
     exit_hook: Any = None
+    #: How long a close waits for the service to end before stopping it.
+    close_timeout_s: float = CLOSE_TIMEOUT_S
 
 
-def _shutdown(link: _Link) -> None:
+def shutdown(link: Link) -> None:
     """Ask the service to end, wait (bounded), then terminate and kill; close
     the connection, the ring and the pin thread. Takes no lock; idempotent."""
     proc, conn = link.proc, link.conn
-    if proc.pid is not None:  # started
+    if proc is None:  # central="node" on a rank that did not start the service
         if conn is not None:
             with contextlib.suppress(OSError, ValueError):
                 conn.send(("close", ()))
-            wait([proc.sentinel], CLOSE_TIMEOUT_S)
+                conn.poll(CLOSE_TIMEOUT_S)
+    elif proc.pid is not None:  # started
+        if conn is not None:
+            with contextlib.suppress(OSError, ValueError):
+                conn.send(("close", ()))
+            wait([proc.sentinel], link.close_timeout_s)
         proc.join(0.1)
         if proc.exitcode is None:
             proc.terminate()
@@ -117,7 +124,8 @@ class ServiceClient:
             args=(pipeline, inner, path, token, os.getpid(), ready_w, with_ring),
             name="centralpipe-service",
         )
-        link = self._link = _Link(proc=proc, path=path)
+        link = self._link = Link(proc=proc, path=path)
+        self._service_pid = 0
         self._epoch = 0
         self._dead: str | None = None
         #: Requests sent whose replies are not read yet, oldest first (more
@@ -139,7 +147,7 @@ class ServiceClient:
                 raise PipelineError(msg) from exc
             finally:
                 ready_w.close()
-            self._finalizer = weakref.finalize(self, _shutdown, link)
+            self._finalizer = weakref.finalize(self, shutdown, link)
             link.exit_hook = self._finalizer
             # Before multiprocessing's own exit hook (which joins this process).
             atexit.register(self._finalizer)
@@ -167,13 +175,14 @@ class ServiceClient:
             self._epoch = value
             link.pinner = make_pinner(config.pin_memory)
         except BaseException:
-            _shutdown(link)
+            shutdown(link)
             raise
 
     @property
     def service_pid(self) -> int:
         """The service's process id (e.g. for monitoring)."""
-        pid: int = self._link.proc.pid
+        proc = self._link.proc
+        pid: int = self._service_pid if proc is None else proc.pid
         return pid
 
     @property
@@ -184,13 +193,18 @@ class ServiceClient:
 
     def _died(self, when: str) -> None:
         proc = self._link.proc
-        proc.join(0.5)
-        code = proc.exitcode
+        if proc is None:
+            what = f"of this node (pid {self._service_pid}) ended {when} (the connection closed)"
+        else:
+            proc.join(0.5)
+            code = proc.exitcode
+            what = (
+                f"of this Loader (pid {proc.pid}) died {when} "
+                f"(exit code {code}; negative: killed by that signal)"
+            )
         self._dead = (
-            f"the central service of this Loader (pid {proc.pid}) died {when} "
-            f"(exit code {code}; negative: killed by that signal). The pass and the "
-            "position are lost with it: close this Loader, create a new one and "
-            "load_state_dict() the last checkpoint."
+            f"the central service {what}. The pass and the position are lost with it: "
+            "close this Loader, create a new one and load_state_dict() the last checkpoint."
         )
         raise ServiceError(self._dead)
 
@@ -201,9 +215,10 @@ class ServiceClient:
         if conn is None:
             conn, ring = self._link.conn, self._link.ring
         assert conn is not None
-        sentinel = self._link.proc.sentinel
+        proc = self._link.proc
+        watched = [conn] if proc is None else [conn, proc.sentinel]
         while True:
-            ready = wait([conn, sentinel], POLL_S)  # where an interrupt lands, harmlessly
+            ready = wait(watched, POLL_S)  # where an interrupt lands, harmlessly
             if conn in ready:
                 break
             if ready:

@@ -59,7 +59,7 @@ class LocalCentral:
         self._ctx = RunContext(
             seed=config.seed, epoch=0, rank=dist.rank, world_size=dist.world_size
         )
-        self._nodes = build_central(pipeline.central_stages, self._ctx)
+        self._nodes = self._build_nodes(pipeline)
         # Stages inside a mix are queried by their qualified names (mix/source/stage).
         self._by_name = {node.name: node for node in all_nodes(self._nodes)}
         for node in self._nodes:
@@ -87,6 +87,11 @@ class LocalCentral:
         # Loader is collected (see centralpipe.lifetime).
         self._finalizer = weakref.finalize(self, self._res.finalize)
         self._start_early()
+
+    def _build_nodes(self, pipeline: Pipeline) -> list[Any]:
+        """The central nodes, source first (``central="node"`` shares the
+        ones before ``shard()`` between local ranks)."""
+        return build_central(pipeline.central_stages, self._ctx)
 
     @property
     def _boundary(self) -> str:

@@ -39,7 +39,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -52,7 +52,7 @@ from centralpipe.dispatch.worker.loop import main_alive
 from centralpipe.errors import ServiceError
 from centralpipe.plan.pipeline import Pipeline
 
-__all__ = ["ACCEPT_TIMEOUT_S", "WATCHDOG_S", "serve"]
+__all__ = ["ACCEPT_TIMEOUT_S", "WATCHDOG_S", "Server", "serve"]
 
 #: How long the service waits for its client to connect.
 ACCEPT_TIMEOUT_S = 60.0
@@ -100,7 +100,7 @@ def serve(
     try:
         if with_ring:  # the first thing on the connection (see wire.shm)
             ring = receive_ring(conn)
-        _Server(conn, ring).run(pipeline, config, control)
+        Server(conn, ring).run(pipeline, config, control)
     except (EOFError, OSError):  # the client went away
         pass
     finally:
@@ -139,7 +139,7 @@ def _clients(
     return conns[0], conns[1]
 
 
-class _Server:
+class Server:
     """The service's request loop over one authenticated connection."""
 
     def __init__(self, conn: Connection, ring: RingWriter | None) -> None:
@@ -148,9 +148,15 @@ class _Server:
         self._pass_id = 0
         self._outputs: Iterator[Any] | None = None
 
-    def run(self, pipeline: Pipeline, config: LoaderConfig, control: Connection) -> None:
+    def run(
+        self,
+        pipeline: Pipeline,
+        config: LoaderConfig,
+        control: Connection,
+        make: Callable[[], LocalCentral] | None = None,
+    ) -> None:
         try:
-            central = LocalCentral(pipeline, config)
+            central = LocalCentral(pipeline, config) if make is None else make()
         except Exception as exc:
             self._reply("err", exc)
             return
@@ -168,11 +174,11 @@ class _Server:
                     central.close()
                     self._reply("ok", None)
                     return
-                self._handle(central, op, args)
+                self.handle_request(central, op, args)
         finally:
             central.close()
 
-    def _handle(self, central: LocalCentral, op: str, args: tuple[Any, ...]) -> None:
+    def handle_request(self, central: LocalCentral, op: str, args: tuple[Any, ...]) -> None:
         value: Any = None
         try:
             if op == "next":

@@ -1,12 +1,15 @@
 """CPU time of a whole job per epoch, by central mode: one rank of it, under torchrun.
 
 ``python -m torch.distributed.run --nproc_per_node=N --master_addr=127.0.0.1
---master_port=P -m centralpipe.tools.bench_modes_job --central MODE``
+--master_port=P -m centralpipe.tools.bench_modes_job --central MODE [--tokenize central]``
 
 Every rank runs the ``seed`` pipeline (pure-Python tokenizer ``parallel=True``
 → ``bucket_by_max_tokens`` → ``count`` → ``shard(equalize="drop_last")`` →
 ``dispatch`` → pad, 2 workers) over the bundled corpus repeated ``--repeat``
-times: one warm-up epoch, then ``--epochs`` timed epochs. Each rank reads the
+times; ``--tokenize central`` runs the tokenizer as a plain central ``map``
+(``central="node"`` needs it: it shares no ``parallel=True`` stage before
+``shard()``; its ``--workers`` are the node's, split between the local
+ranks). One warm-up epoch, then ``--epochs`` timed epochs. Each rank reads the
 CPU time (user + system) of its own process tree (itself, its workers, its
 service, and what they reaped) from ``/proc`` (``psutil``) around the timed
 epochs; rank 0 prints one markdown row: the job's CPU seconds per epoch (the
@@ -40,7 +43,8 @@ def _tree_cpu_s(meter: CpuMeter) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--central", choices=("process", "service"), default="process")
+    parser.add_argument("--central", choices=("process", "service", "node"), default="process")
+    parser.add_argument("--tokenize", choices=("parallel", "central"), default="parallel")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=2, help="copies of the corpus")
     parser.add_argument("--workers", type=int, default=2)
@@ -56,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     lines = corpus * args.repeat
     pipe = (
         cp.Pipeline.from_iterable(lines)
-        .map(tok, parallel=True)
+        .map(tok, parallel=args.tokenize == "parallel")
         .bucket_by_max_tokens(MAX_TOKENS, buffer_size=BUFFER, min_len=1)
         .count("pre_shard", weight_fn=len)
         .shard(equalize="drop_last")
@@ -84,7 +88,8 @@ def main(argv: list[str] | None = None) -> None:
         rates = ", ".join(f"{r[1]:,.0f}" for r in out)
         walls = max(r[2] for r in out) / args.epochs
         print(
-            f"| {args.central} | {dist.get_world_size()} | {job_cpu:.2f} | {rates} | {walls:.2f} |",
+            f"| {args.central} | {args.tokenize} | {dist.get_world_size()} | {job_cpu:.2f} "
+            f"| {rates} | {walls:.2f} |",
             flush=True,
         )
     dist.destroy_process_group()

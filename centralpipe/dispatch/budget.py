@@ -95,11 +95,15 @@ class ResultBytes:
         if chunk.result is None or chunk.held_bytes < 0:
             return
         with self._lock:
+            # Every call first (a Ctrl-C is handled as one returns), then the
+            # three writes with none between them: released whole or not at all.
             was_full = self.full()
-            self.held -= chunk.held_bytes
-            chunk.held_bytes = -1  # released
             sid = stream.stream_id
-            self._held_items[sid] = self._held_items.get(sid, 0) - len(chunk.items)
+            items = self._held_items.get(sid, 0) - len(chunk.items)
+            held = self.held - chunk.held_bytes
+            self.held = held
+            self._held_items[sid] = items
+            chunk.held_bytes = -1  # released
             room = was_full and not self.full()
         if room and self._on_room is not None:
             self._on_room()

@@ -164,6 +164,33 @@ def test_resumes_exactly_at_every_k(workers: int) -> None:
     assert_resumes_exactly(_pipe(30, 8), _cfg(workers), resume_config=_cfg(3 - workers, False))
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_shard_round_of_arrays_is_compact(rank: int) -> None:
+    """The round a drop_last shard dropped at the end of the epoch (kept in its
+    state) is saved compact when it holds arrays: weights_only reads the
+    state, and the next epoch runs from it as before."""
+    lines = _lines(41)
+    pipe = (
+        cp.Pipeline.from_iterable(lines)
+        .map(_tok)
+        .shard(equalize="drop_last", name="sh")
+        .dispatch()
+        .map(np.ndarray.tolist)
+    )
+    dist = cp.DistributedConfig(rank=rank, world_size=2)
+    cfg = cp.LoaderConfig(workers=cp.WorkerConfig(num_workers=0), distributed=dist)
+    with cp.Loader(pipe, cfg) as loader:
+        full = list(loader)
+        sd = loader.state_dict()
+    assert full == [_tok(x).tolist() for x in lines[rank:40:2]]
+    dropped = sd["central"]["sh"]["round"]
+    assert compact.is_compact(dropped)
+    assert _same(compact.decode_items(dropped), [_tok(lines[40])])
+    with cp.Loader(pipe, cfg) as loader:
+        loader.load_state_dict(_weights_only(_saved(sd)))
+        assert list(loader) == full
+
+
 def test_old_list_states_still_load() -> None:
     """A state holding the heap and in-flight items as lists (the older form) resumes exactly."""
     pipe, cfg = _pipe(), _cfg(2)

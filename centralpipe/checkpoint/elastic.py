@@ -352,7 +352,8 @@ def _merge(ranks: list[_Rank]) -> dict[str, Any]:
             if p < c and seq not in r.poison:  # a poison item was skipped: delivered as nothing
                 pending[p] = (item, _arrival(stamp, slot))
     # ... or held in the furthest-behind rank's equalize round.
-    rnd, rnd_stamps = list(behind.get("round", ())), list(behind.get("round_stamps", ()))
+    rnd = compact.decode_items(behind.get("round", []))
+    rnd_stamps = list(behind.get("round_stamps", ()))
     start = c - len(rnd)
     for t, item in enumerate(rnd):
         p = start + t
@@ -378,7 +379,7 @@ def _merge(ranks: list[_Rank]) -> dict[str, Any]:
                 "rank; were they all taken after the same step of the same run?"
             )
             raise CheckpointError(msg)
-    queue = list(behind.get("queue", ()))
+    queue = compact.decode_items(behind.get("queue", []))
     queue_stamps = list(behind.get("queue_stamps", ()))
     gone = {p - c for p in ahead if p - c < len(queue)}
     drop = [int(x) for x in behind.get("drop", ())]
@@ -398,7 +399,7 @@ def _merge(ranks: list[_Rank]) -> dict[str, Any]:
         "round": [],
         "done": False,
         "base": first,
-        "queue": [pending[p][0] for p in order] + [queue[q] for q in kept],
+        "queue": compact.encode_items([pending[p][0] for p in order] + [queue[q] for q in kept]),
         "queue_stamps": stamps,
         "round_stamps": [],
         "source_index": source_index,

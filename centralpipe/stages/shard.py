@@ -40,6 +40,7 @@ import attrs
 from attrs import validators as v
 from torchdata.nodes import BaseNode
 
+from centralpipe.checkpoint import compact
 from centralpipe.plan.pipeline import StageSpec
 from centralpipe.stages.base import CentralNode, RunContext, Total
 from centralpipe.stages.count import Count
@@ -79,13 +80,23 @@ _STAMPS = checked(
 )
 
 
+def _decoded_round(value: Any) -> Any:
+    return compact.decoded_items(ROUND_KEY, value)
+
+
+def _decoded_queue(value: Any) -> Any:
+    return compact.decoded_items(QUEUE_KEY, value)
+
+
 @attrs.frozen(kw_only=True)
 class ShardState:
+    #: ``round`` and ``queue`` are saved compact when their items are arrays
+    #: (``checkpoint.compact``), so that ``torch.load(weights_only=True)`` reads them.
     index: int = attrs.field(validator=_INDEX)
-    round: list[Any] = attrs.field(validator=_LIST)
+    round: list[Any] = attrs.field(converter=_decoded_round, validator=_LIST)
     done: bool = attrs.field(validator=checked(FieldError, "a bool", v.instance_of(bool)))
     base: int = attrs.field(validator=_INDEX)
-    queue: list[Any] = attrs.field(validator=_LIST)
+    queue: list[Any] = attrs.field(converter=_decoded_queue, validator=_LIST)
     queue_stamps: list[Any] = attrs.field(validator=_STAMPS)
     round_stamps: list[Any] = attrs.field(validator=_STAMPS)
     source_index: int = attrs.field(validator=_INDEX)
@@ -236,10 +247,10 @@ class Shard(CentralNode[Any]):
     def own_state(self) -> dict[str, Any]:
         return {
             INDEX_KEY: self.index,
-            ROUND_KEY: list(self._round),
+            ROUND_KEY: compact.encode_items(list(self._round)),
             DONE_KEY: self._done,
             BASE_KEY: self.base,
-            QUEUE_KEY: [item for item, _ in self._queue],
+            QUEUE_KEY: compact.encode_items([item for item, _ in self._queue]),
             QUEUE_STAMPS_KEY: [_wire(s) for _, s in self._queue] if self.counts else [],
             ROUND_STAMPS_KEY: [_wire(s) for s in self._round_stamps],
             SOURCE_INDEX_KEY: self._source_index,
@@ -257,13 +268,13 @@ class Shard(CentralNode[Any]):
             self._drop = deque()
             return
         self.index = int(state[INDEX_KEY])
-        self._round = list(state[ROUND_KEY])
+        self._round = compact.decode_items(state[ROUND_KEY])
         self._done = bool(state[DONE_KEY])
         # Checkpoints written before elastic resume have none of the keys below.
         self.base = int(state.get(BASE_KEY, 0))
         self._source_index = int(state.get(SOURCE_INDEX_KEY, self.index))
         self._drop = deque(int(x) for x in state.get(DROP_KEY, ()))
-        queue = list(state.get(QUEUE_KEY, ()))
+        queue = compact.decode_items(state.get(QUEUE_KEY, []))
         stamps: list[Stamp | None] = [_stamp(s) for s in state.get(QUEUE_STAMPS_KEY, ())]
         self._queue = deque(zip(queue, stamps or [None] * len(queue)))
         self._round_stamps = [_stamp(s) for s in state.get(ROUND_STAMPS_KEY, ())]

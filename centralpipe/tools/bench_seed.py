@@ -321,6 +321,29 @@ def run_serial(lines: list[str], tok: Callable[[str], Any]) -> Run:
     return _consume((pad(b) for b in bucketize(tok(x) for x in lines)), t0, len(lines))
 
 
+def _seed_pipeline(lines: cp.Pipeline, tok: Callable[..., Any], **map_kw: Any) -> cp.Pipeline:
+    """The seed pipeline after its source: tokenize, bucket, count, shard, pad."""
+    return (
+        lines.map(tok, **map_kw)
+        .bucket_by_max_tokens(MAX_TOKENS, buffer_size=BUFFER, min_len=1)
+        .count("pre_shard", weight_fn=len)
+        .shard()
+        .dispatch()
+        .map(pad)
+    )
+
+
+def _run_loader(pipe: cp.Pipeline, workers: cp.WorkerConfig, lines: int) -> Run:
+    """One pass of ``pipe``, with the main process's CPU by thread role."""
+    cpu = ThreadCpu()
+    t0 = time.perf_counter()
+    with cp.Loader[torch.Tensor](pipe, cp.LoaderConfig(workers=workers)) as loader:
+        run = _consume(iter(loader), t0, lines, cpu.sample)
+        cpu.sample()
+    run.cpu_s = cpu.by_role()
+    return run
+
+
 def run_centralpipe(
     lines: list[str],
     tok: Callable[..., Any],
@@ -329,23 +352,8 @@ def run_centralpipe(
     executor: str,
     batched: bool = False,
 ) -> Run:
-    pipe = (
-        cp.Pipeline.from_iterable(lines)
-        .map(tok, parallel=parallel, batched=batched)
-        .bucket_by_max_tokens(MAX_TOKENS, buffer_size=BUFFER, min_len=1)
-        .count("pre_shard", weight_fn=len)
-        .shard()
-        .dispatch()
-        .map(pad)
-    )
-    workers_cfg = cp.WorkerConfig(num_workers=workers, executor=executor)
-    cpu = ThreadCpu()
-    t0 = time.perf_counter()
-    with cp.Loader[torch.Tensor](pipe, cp.LoaderConfig(workers=workers_cfg)) as loader:
-        run = _consume(iter(loader), t0, len(lines), cpu.sample)
-        cpu.sample()
-    run.cpu_s = cpu.by_role()
-    return run
+    pipe = _seed_pipeline(cp.Pipeline.from_iterable(lines), tok, parallel=parallel, batched=batched)
+    return _run_loader(pipe, cp.WorkerConfig(num_workers=workers, executor=executor), len(lines))
 
 
 def run_centralpipe_file(lines: list[str], tok: Callable[..., Any], read_in_workers: bool) -> Run:
@@ -356,24 +364,9 @@ def run_centralpipe_file(lines: list[str], tok: Callable[..., Any], read_in_work
         path = os.path.join(root, "lines.txt")
         with open(path, "w", encoding="utf-8", newline="\n") as f:
             f.writelines(line + "\n" for line in lines)
-        pipe = (
-            cp.Pipeline.from_files(path)
-            .read_lines()
-            .map(tok, parallel=True)
-            .bucket_by_max_tokens(MAX_TOKENS, buffer_size=BUFFER, min_len=1)
-            .count("pre_shard", weight_fn=len)
-            .shard()
-            .dispatch()
-            .map(pad)
-        )
+        pipe = _seed_pipeline(cp.Pipeline.from_files(path).read_lines(), tok, parallel=True)
         workers = cp.WorkerConfig(num_workers=WORKERS, read_in_workers=read_in_workers)
-        cpu = ThreadCpu()
-        t0 = time.perf_counter()
-        with cp.Loader[torch.Tensor](pipe, cp.LoaderConfig(workers=workers)) as loader:
-            run = _consume(iter(loader), t0, len(lines), cpu.sample)
-            cpu.sample()
-    run.cpu_s = cpu.by_role()
-    return run
+        return _run_loader(pipe, workers, len(lines))
 
 
 class TokenBuckets(IterableDataset[torch.Tensor]):

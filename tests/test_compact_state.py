@@ -262,7 +262,14 @@ def test_a_damaged_compact_state_is_refused(how: str) -> None:
 def test_damaged_in_flight_items_are_refused() -> None:
     """Damaged compact in-flight items are a CheckpointError naming in_flight."""
     pipe, cfg = _pipe(), _cfg(2)
-    _, sd = _mid_epoch_state(pipe, cfg, 2)
+    with cp.Loader(pipe, cfg) as loader:
+        # A state with groups in flight behind the bucket (how many are in
+        # flight at a given step depends on the workers' timing).
+        it = iter(loader)
+        sd = loader.state_dict()
+        while not compact.is_compact(sd["in_flight"]["dispatch"]["items"]):
+            next(it)
+            sd = loader.state_dict()
     items = sd["in_flight"]["dispatch"]["items"]
     items["parts"][0]["groups"] = items["parts"][0]["groups"].to(torch.int64) + 5
     with cp.Loader(pipe, cfg) as loader, pytest.raises(cp.CheckpointError, match="in_flight"):

@@ -208,9 +208,13 @@ class Ring:
             return False
         finally:
             sock.close()
-            os.close(self._fd)
-            os.close(self._release_r)
-            self._fd = self._release_r = None
+            # Each descriptor is forgotten before it is closed: a Ctrl-C
+            # handled as a close returns leaves none to close twice (a second
+            # close could hit a number the process has reused since).
+            fd, self._fd = self._fd, None
+            os.close(fd)
+            release_r, self._release_r = self._release_r, None
+            os.close(release_r)
 
     def take(self, off: int, size: int) -> Any:
         """The buffer of ``size`` bytes the worker wrote at ring offset

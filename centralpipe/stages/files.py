@@ -188,19 +188,25 @@ class ReadLines(CentralNode[str]):
         #: Bytes per line of the last range: how much to read for the next.
         self._line_bytes = 64.0
 
+    def _open_current(self) -> None:
+        """Open the file being read at its offset (the next path first, at 0).
+        A file that fails to open is skipped; after an interrupt the next
+        call opens it again."""
+        if self._path is None:
+            assert self.source is not None
+            self._path = os.fspath(next(self.source))
+            self._offset = 0
+        try:
+            self._open(self._path, self._offset)
+        except BaseException as exc:
+            if isinstance(exc, Exception):  # not interrupted: this file is skipped
+                self._path, self._offset = None, 0
+            raise
+
     def produce(self) -> str:
         while True:
             if self._file is None:
-                if self._path is None:
-                    assert self.source is not None
-                    self._path = os.fspath(next(self.source))
-                    self._offset = 0
-                try:
-                    self._open(self._path, self._offset)
-                except BaseException as exc:
-                    if isinstance(exc, Exception):  # not interrupted: this file is skipped
-                        self._path, self._offset = None, 0
-                    raise
+                self._open_current()
             assert self._file is not None
             raw = self._file.readline()
             if not raw:
@@ -235,16 +241,7 @@ class ReadLines(CentralNode[str]):
         try:
             while True:
                 if self._file is None:
-                    if self._path is None:
-                        assert self.source is not None
-                        self._path = os.fspath(next(self.source))
-                        self._offset = 0
-                    try:
-                        self._open(self._path, self._offset)
-                    except BaseException as exc:
-                        if isinstance(exc, Exception):  # not interrupted: this file is skipped
-                            self._path, self._offset = None, 0
-                        raise
+                    self._open_current()
                 assert self._file is not None and self._path is not None
                 if is_url(self._path):
                     lines: list[str] = []

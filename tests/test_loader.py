@@ -628,3 +628,20 @@ def test_checkpoints_while_iterating_change_nothing(num_workers: int) -> None:
         with cp.Loader(pipe, _config()) as resumed:
             resumed.load_state_dict(states[k])
             assert collect(resumed) == full[k:], f"k={k}"
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["inline", "workers"])
+def test_next_on_an_ended_iterator_starts_no_epoch(workers: int) -> None:
+    """next() on an iterator whose epoch ended raises StopIteration again: it
+    neither starts the next epoch nor moves the checkpoint; a new iter() does."""
+    pipe = cp.Pipeline.from_iterable(range(5)).dispatch()
+    with cp.Loader(pipe, loader_config(num_workers=workers)) as loader:
+        it = iter(loader)
+        assert list(it) == [0, 1, 2, 3, 4]
+        state = loader.state_dict()
+        for _ in range(3):
+            with pytest.raises(StopIteration):
+                next(it)
+        assert loader.state_dict() == state
+        assert list(loader) == [0, 1, 2, 3, 4]
+        assert loader.state_dict()["epoch"] == state["epoch"] + 1

@@ -16,21 +16,24 @@ from typing import Any
 
 from centralpipe.errors import PipelineError
 from centralpipe.plan.kinds import WORKER_KINDS, ItemOptions
-from centralpipe.plan.specs import EQUALIZE, OVERSIZE, STRATEGIES
+from centralpipe.plan.specs import EQUALIZE, OVERSIZE, STRATEGIES, Placement
 
 __all__ = [
     "DECODE_ERRORS",
     "bucket_options",
     "check_callable",
+    "check_count",
     "check_decode_errors",
     "check_equalize",
     "check_int",
     "check_line_encoding",
     "check_name",
+    "check_placement",
     "is_sequence_like",
     "item_options",
     "pack_options",
     "read_jsonl_options",
+    "read_lines_options",
     "read_parquet_options",
 ]
 
@@ -111,7 +114,32 @@ def is_sequence_like(obj: Any) -> bool:
     )
 
 
+def check_placement(kind: str, stage: str, placement: Placement, dispatch_name: str | None) -> None:
+    """A central stage comes before ``dispatch()`` and a worker-only one
+    (``collate``) after it; ``dispatch_name``: the pipeline's (``None``: none yet)."""
+    if placement == "central" and dispatch_name is not None:
+        msg = (
+            f"stage '{stage}': {kind}() is a central (stateful) stage and cannot come after "
+            f"dispatch() ('{dispatch_name}'); move it before .dispatch(). Only map, "
+            "filter, flat_map and collate run in workers."
+        )
+        raise PipelineError(msg)
+    if placement == "worker" and dispatch_name is None:
+        msg = (
+            f"stage '{stage}': {kind}() is a worker stage; call dispatch() first "
+            "(or use map() for a central function)."
+        )
+        raise PipelineError(msg)
+
+
 # -- one stage kind's arguments ------------------------------------------------------------
+
+
+def read_lines_options(encoding: Any, errors: Any, stage: str) -> dict[str, Any]:
+    """The options of ``read_lines(encoding=, errors=)``."""
+    check_line_encoding(encoding, stage)
+    check_decode_errors(errors, stage)
+    return {"encoding": encoding, "errors": errors}
 
 
 def item_options(
@@ -253,6 +281,19 @@ def pack_options(
         "buffer_size": buffer_size,
         "oversize": oversize,
     }
+
+
+def check_count(name: Any, weight_fn: Any, default_name: str) -> None:
+    """``count(name, weight_fn=)``: the name first, the function by keyword."""
+    if callable(name):
+        fn_name = getattr(name, "__name__", "fn")
+        msg = (
+            f"count() takes the stage's name first and the weight function by keyword: "
+            f'write .count("pre_shard", weight_fn={fn_name}), got {name!r} as the name.'
+        )
+        raise PipelineError(msg)
+    if weight_fn is not None:
+        check_callable(weight_fn, "`weight_fn`", name or default_name)
 
 
 def check_equalize(equalize: Any, stage: str) -> None:

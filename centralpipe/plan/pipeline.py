@@ -22,14 +22,15 @@ from centralpipe.errors import PipelineError
 from centralpipe.plan.checks import (
     bucket_options,
     check_callable,
-    check_decode_errors,
+    check_count,
     check_equalize,
     check_int,
-    check_line_encoding,
     check_name,
+    check_placement,
     item_options,
     pack_options,
     read_jsonl_options,
+    read_lines_options,
     read_parquet_options,
 )
 from centralpipe.plan.kinds import WORKER_KINDS, ItemOptions
@@ -129,10 +130,7 @@ class Pipeline:
         ``open()``'s: ``"strict"`` (a line that does not decode raises, naming
         file and offset), ``"replace"``, ``"ignore"``, ``"backslashreplace"``
         or ``"surrogateescape"``."""
-        stage = name or self._default_name("read_lines")
-        check_line_encoding(encoding, stage)
-        check_decode_errors(errors, stage)
-        options = {"encoding": encoding, "errors": errors}
+        options = read_lines_options(encoding, errors, name or self._default_name("read_lines"))
         return self._add("read_lines", name, "central", options=options)
 
     def read_jsonl(
@@ -301,15 +299,7 @@ class Pipeline:
     ) -> Pipeline:
         """Pass items through, counting them: state ``{"items": n, "weight": w}``
         where ``w`` sums ``weight_fn(item)`` (or counts items)."""
-        if callable(name):
-            fn_name = getattr(name, "__name__", "fn")
-            msg = (
-                f"count() takes the stage's name first and the weight function by keyword: "
-                f'write .count("pre_shard", weight_fn={fn_name}), got {name!r} as the name.'
-            )
-            raise PipelineError(msg)
-        if weight_fn is not None:
-            check_callable(weight_fn, "`weight_fn`", name or self._default_name("count"))
+        check_count(name, weight_fn, self._default_name("count"))
         return self._add("count", name, "central", fn=weight_fn)
 
     def shard(
@@ -338,13 +328,9 @@ class Pipeline:
     ) -> Pipeline:
         """Worker stage: ``fn(item)`` (default ``torch.utils.data.default_collate``)
         on each item, typically a list made by ``batch()``."""
-        stage = name or self._default_name("collate")
-        if self._dispatch_index() is None:
-            msg = (
-                f"stage '{stage}': collate() is a worker stage; call dispatch() first "
-                "(or use map() for a central function)."
-            )
-            raise PipelineError(msg)
+        check_placement(
+            "collate", name or self._default_name("collate"), "worker", self.dispatch_name
+        )
         if fn is None:
             from torch.utils.data import default_collate
 
@@ -414,13 +400,7 @@ class Pipeline:
     ) -> Pipeline:
         stage = self._default_name(kind) if name is None else name
         check_name(stage)
-        if placement == "central" and self._dispatch_index() is not None:
-            msg = (
-                f"stage '{stage}': {kind}() is a central (stateful) stage and cannot come after "
-                f"dispatch() ('{self.dispatch_name}'); move it before .dispatch(). Only map, "
-                "filter, flat_map and collate run in workers."
-            )
-            raise PipelineError(msg)
+        check_placement(kind, stage, placement, self.dispatch_name)
         if fn is not None or kind in WORKER_KINDS:
             check_callable(fn, "the function", stage)
         taken = {s.name for s in self._all_specs()}

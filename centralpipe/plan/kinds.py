@@ -74,8 +74,10 @@ class ItemOptions(Mapping[str, Any]):
 
     Also a read-only mapping of the options as the builder records them
     (``describe()``, ``StageSpec.options.items()``): each option the kind
-    takes that is set, and those in ``SHOWN`` always. A subclass per kind
-    says which it takes (``TAKES``); setting another is a ``PipelineError``.
+    takes that is set, and those in ``SHOWN`` always; it compares equal to
+    a dict of the same items, as the dict it replaces did. A subclass per
+    kind says which it takes (``TAKES``); setting another is a
+    ``PipelineError``.
     """
 
     #: Options this kind takes, in the order the mapping lists them.
@@ -127,22 +129,22 @@ class ItemOptions(Mapping[str, Any]):
     def __len__(self) -> int:
         return len(self._listed())
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.items())})"
 
-
+@attrs.frozen(kw_only=True, eq=False)
 class MapOptions(ItemOptions):
     """``map``: ``with_rng`` (always listed), ``parallel``, ``batched``."""
 
     SHOWN = ("with_rng",)
 
 
+@attrs.frozen(kw_only=True, eq=False)
 class StageOptions(ItemOptions):
     """``filter`` and ``flat_map``: ``parallel`` only."""
 
     TAKES = ("parallel",)
 
 
+@attrs.frozen(kw_only=True, eq=False)
 class CollateOptions(ItemOptions):
     """``collate``: no options."""
 

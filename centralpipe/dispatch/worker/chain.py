@@ -145,7 +145,8 @@ class WorkerChain:
                 if status is not None and stage_index:
                     status_stage(status, stage_index)
                 try:
-                    values = self._apply(kind, name, fn, with_rng, values, epoch, key0 + i * step)
+                    rng = self.make_rng(epoch, key0 + i * step, name) if with_rng else None
+                    values = kind.apply(fn, values, rng)
                 except Exception as exc:
                     failures.append(
                         StageFailure(
@@ -164,19 +165,6 @@ class WorkerChain:
             failures or None,
             time.perf_counter() - start,
         )
-
-    def _apply(
-        self,
-        kind: WorkerKind,
-        name: str,
-        fn: Any,
-        with_rng: bool,
-        values: list[Any],
-        epoch: int,
-        seq: int,
-    ) -> list[Any]:
-        rng = self.make_rng(epoch, seq, name) if with_rng else None
-        return kind.apply(fn, values, rng)
 
     def _run_stagewise(
         self,
@@ -204,9 +192,8 @@ class WorkerChain:
                 continue
             for i in live:
                 try:
-                    groups[i] = self._apply(
-                        kind, name, fn, with_rng, groups[i], epoch, key0 + i * step
-                    )
+                    rng = self.make_rng(epoch, key0 + i * step, name) if with_rng else None
+                    groups[i] = kind.apply(fn, groups[i], rng)
                 except Exception as exc:
                     failed[i] = _failure(i, name, exc)
                     groups[i] = []

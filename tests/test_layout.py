@@ -74,11 +74,13 @@ def _imports(name: str, *, module_level: bool = True) -> set[str]:
     return {full for node in nodes for full in _imported(name, node)}
 
 
-def _edges(name: str) -> set[str]:
+def _edges(name: str, *, module_level: bool = True) -> set[str]:
     """The package's modules that importing ``name`` runs first: each imported
-    module and the packages above it (not ``name``'s own packages)."""
+    module and the packages above it (not ``name``'s own packages). With
+    ``module_level=False``, also those its functions and ``if TYPE_CHECKING``
+    blocks import: what it depends on at all."""
     out = set()
-    for full in _imports(name):
+    for full in _imports(name, module_level=module_level):
         parts = full.split(".")
         for i in range(1, len(parts) + 1):
             target = ".".join(parts[:i])
@@ -88,6 +90,8 @@ def _edges(name: str) -> set[str]:
 
 
 GRAPH = {name: _edges(name) for name in MODULES}
+#: Every dependency, imports inside functions and for type checking included.
+ANY_LEVEL = {name: _edges(name, module_level=False) for name in MODULES}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -147,15 +151,49 @@ def test_the_package_has_no_import_circle() -> None:
     assert found is None, "import circle: " + " -> ".join(found or [])
 
 
+def test_no_module_depends_on_itself_through_any_import() -> None:
+    """No module depends on itself through others, counting the imports made
+    inside functions and for type checking too (a deferred import hides a
+    circle of ownership, it does not remove it): each circle is named."""
+    found = _cycle(ANY_LEVEL)
+    assert found is None, "import circle (any level): " + " -> ".join(found or [])
+
+
+def test_the_any_level_graph_counts_deferred_and_type_checking_imports() -> None:
+    """The any-level analysis sees an import inside a function and one under
+    ``if TYPE_CHECKING`` (what the circle test relies on)."""
+    deferred = _imports("centralpipe.plan.sources", module_level=False)
+    assert "torchdata.nodes" in deferred
+    assert "torchdata.nodes" not in _imports("centralpipe.plan.sources")
+    assert "centralpipe.plan.specs" in ANY_LEVEL["centralpipe.stages.base"]
+    assert "centralpipe.plan.specs" not in GRAPH["centralpipe.stages.base"]
+
+
+def test_stage_modules_import_only_the_specs_of_the_builder() -> None:
+    """The central stages know the plan by its specs and kinds: no module of
+    ``stages/`` imports the builder (``plan.pipeline``, its checks, its
+    sources or ``mix``'s spec), at any level."""
+    plan_side = {"centralpipe.plan", "centralpipe.plan.specs", "centralpipe.plan.kinds"}
+    found = sorted(
+        f"{name} imports {target}"
+        for name in MODULES
+        if name.startswith("centralpipe.stages")
+        for target in ANY_LEVEL[name]
+        if target.startswith("centralpipe.plan") and target not in plan_side
+    )
+    assert found == []
+
+
 def test_the_worker_side_imports_neither_torch_nor_the_builder() -> None:
     """The worker loop and everything it imports inside the package import no
     torch, no builder (``plan.pipeline``), no central stage and no Loader; of
-    ``plan`` only the specs, which a worker unpickles."""
+    ``plan`` only the specs, which a worker unpickles, and the per-item kinds
+    they name."""
     assert WORKER_MODULE == "centralpipe.dispatch.worker.loop"
     side = _closure(WORKER_MODULE)
     torch = sorted(m for m in side if any(i.split(".")[0] == "torch" for i in _imports(m)))
     assert torch == []
-    allowed_plan = {"centralpipe.plan", "centralpipe.plan.specs"}
+    allowed_plan = {"centralpipe.plan", "centralpipe.plan.specs", "centralpipe.plan.kinds"}
     builder = sorted(
         m
         for m in side

@@ -130,7 +130,9 @@ class Run:
             self.stream.driver = self._pool_driver()
         elif warm is not None:
             # The workers are still starting: run inline until they are ready.
-            self.stream.driver = WarmDriver(self, warm)
+            self.stream.driver = WarmDriver(
+                self.stream, warm, hand_over=self.hand_over, stop=self.stop_session
+            )
         else:
             self.stream.driver = InlineDriver(self.stream, on_stop=self.stop_session)
 

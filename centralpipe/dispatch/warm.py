@@ -48,15 +48,12 @@ milliseconds).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from centralpipe.dispatch.executors.pool import Executor
-from centralpipe.dispatch.reorder import Driver
+from centralpipe.dispatch.reorder import Driver, Stream
 from centralpipe.dispatch.sender import InlineDriver
 from centralpipe.dispatch.wire.protocol import Chunk
-
-if TYPE_CHECKING:
-    from centralpipe.dispatch.boundary import Run
 
 __all__ = ["WarmDriver", "WarmStart"]
 
@@ -78,22 +75,36 @@ class WarmStart:
 class WarmDriver(Driver):
     """The dispatch stream's driver while the workers start; see the module
     docstring. Once handed over, the stream's driver is the pool's and this
-    one only finishes the call in progress."""
+    one only finishes the call in progress.
 
-    def __init__(self, run: Run, warm: WarmStart) -> None:
-        self.run = run
+    The run that owns ``stream`` owns the hand-over too: ``hand_over(executor)``
+    (repeatable, see :meth:`~centralpipe.dispatch.boundary.Run.hand_over`)
+    replaces ``stream.driver``, and ``stop()`` ends the run's session. This
+    driver only decides *when*."""
+
+    def __init__(
+        self,
+        stream: Stream,
+        warm: WarmStart,
+        *,
+        hand_over: Callable[[Executor], None],
+        stop: Callable[[], None],
+    ) -> None:
+        self.stream = stream
         self.warm = warm
-        self.inline = InlineDriver(run.stream, as_worker=True)
+        self._hand_over = hand_over
+        self._stop = stop
+        self.inline = InlineDriver(stream, as_worker=True)
         #: The hand-over began: it is finished (never undone) by the next call.
         self.handing_over = False
         #: Chunks up to this id are counted in ``inline_items``.
         self._counted = -1
 
     def wait_head(self) -> Chunk | None:
-        s = self.run.stream
+        s = self.stream
         if self.handing_over or (self._settled() and self.warm.ready()):
             self.handing_over = True
-            self.run.hand_over(self.warm.acquire())
+            self._hand_over(self.warm.acquire())
             driver = s.driver
             assert driver is not None and driver is not self
             return driver.wait_head()
@@ -106,12 +117,12 @@ class WarmDriver(Driver):
     def _settled(self) -> bool:
         """Every pending chunk of the dispatch stream has its result (none
         was cut short while run inline)."""
-        s = self.run.stream
+        s = self.stream
         with s.lock:
             return all(chunk.result is not None for chunk in s.pending)
 
     def stop(self) -> None:
-        self.run.stop_session()
+        self._stop()
 
     def worker_states(self) -> list[Any] | None:
         return None

@@ -1,8 +1,10 @@
 """The immutable pipeline builder.
 
 A :class:`Pipeline` is a tuple of frozen :class:`StageSpec` s. Every builder
-method validates its arguments and returns a *new* pipeline; building never
-starts a process or touches a file. ``dispatch()`` splits the plan: stages
+method validates its arguments (:mod:`centralpipe.plan.checks`; the sources'
+in :mod:`centralpipe.plan.sources`, ``mix``'s in :mod:`centralpipe.plan.mix`)
+and returns a *new* pipeline; building never starts a process or touches a
+file. ``dispatch()`` splits the plan: stages
 before it are *central* (run in the main process, stateful, checkpointed);
 stages after it are *worker* stages (stateless per-item functions run in worker
 processes, or inline with ``num_workers=0``).
@@ -17,21 +19,24 @@ from typing import Any, Literal
 from torchdata.nodes import BaseNode
 
 from centralpipe.errors import PipelineError
-from centralpipe.plan.specs import (
-    EQUALIZE,
-    WORKER_KINDS,
-    Placement,
-    StageSpec,
+from centralpipe.plan.checks import (
+    bucket_options,
     check_callable,
-    check_decode_errors,
+    check_count,
+    check_equalize,
     check_int,
-    check_line_encoding,
     check_name,
-    dataset_spec,
-    files_spec,
-    iterable_spec,
-    node_spec,
+    check_placement,
+    item_options,
+    pack_options,
+    read_jsonl_options,
+    read_lines_options,
+    read_parquet_options,
 )
+from centralpipe.plan.kinds import WORKER_KINDS, ItemOptions
+from centralpipe.plan.mix import inner_specs, mix_spec
+from centralpipe.plan.sources import dataset_spec, files_spec, iterable_spec, node_spec
+from centralpipe.plan.specs import Placement, Plan, StageSpec, plan_repr
 
 __all__ = ["WORKER_KINDS", "Pipeline", "StageSpec"]
 
@@ -110,9 +115,10 @@ class Pipeline:
         ``"never"`` restarts an ended source (its next pass, re-seeded). A
         sub-pipeline stage ``s`` of source ``key`` is named ``name/key/s``. A
         checkpoint resumes under changed weights."""
-        from centralpipe.stages.mix import mix_spec
-
-        return cls((mix_spec(pipelines, weights, stop, name),))
+        plans: Any = pipelines
+        if isinstance(pipelines, Mapping):
+            plans = {k: Plan(p.stages) if isinstance(p, Pipeline) else p for k, p in plans.items()}
+        return cls((mix_spec(plans, weights, stop, name),))
 
     # -- central stages ------------------------------------------------------
 
@@ -124,10 +130,7 @@ class Pipeline:
         ``open()``'s: ``"strict"`` (a line that does not decode raises, naming
         file and offset), ``"replace"``, ``"ignore"``, ``"backslashreplace"``
         or ``"surrogateescape"``."""
-        stage = name or self._default_name("read_lines")
-        check_line_encoding(encoding, stage)
-        check_decode_errors(errors, stage)
-        options = {"encoding": encoding, "errors": errors}
+        options = read_lines_options(encoding, errors, name or self._default_name("read_lines"))
         return self._add("read_lines", name, "central", options=options)
 
     def read_jsonl(
@@ -143,16 +146,7 @@ class Pipeline:
         raises ``ValueError`` naming file and line; ``errors="skip"`` skips
         and counts it (``skipped`` in ``Loader.query(name)``)."""
         stage = name or self._default_name("read_jsonl")
-        if field is not None and not isinstance(field, str) and not callable(field):
-            msg = (
-                f"stage '{stage}': `field` must be None, a str (a key of each record) or a "
-                f"callable (record -> item), got {field!r}."
-            )
-            raise PipelineError(msg)
-        if errors not in ("strict", "skip"):
-            msg = f"stage '{stage}': `errors` must be 'strict' or 'skip', got {errors!r}."
-            raise PipelineError(msg)
-        options = {"field": field, "errors": errors}
+        options = read_jsonl_options(field, errors, stage)
         return self._add("read_jsonl", name, "central", options=options)
 
     def read_parquet(
@@ -166,28 +160,8 @@ class Pipeline:
         (all when ``None``), or with ``batch_rows`` a ``pyarrow.RecordBatch``
         of up to that many rows of one row group. Reads one row group at a
         time; resumes at (file, row group, row). Needs ``centralpipe[parquet]``."""
-        import importlib.util
-
         stage = name or self._default_name("read_parquet")
-        if importlib.util.find_spec("pyarrow") is None:
-            msg = (
-                f"stage '{stage}': read_parquet needs the optional package 'pyarrow'; "
-                "install it with: pip install 'centralpipe[parquet]'."
-            )
-            raise PipelineError(msg)
-        if columns is not None:
-            if isinstance(columns, str) or not isinstance(columns, Sequence):
-                msg = f"stage '{stage}': `columns` must be None or a list of str, got {columns!r}."
-                raise PipelineError(msg)
-            bad = [c for c in columns if not isinstance(c, str)]
-            if bad or not columns:
-                got = bad[0] if bad else "an empty list"
-                msg = f"stage '{stage}': `columns` must be None or a list of str, got {got!r}."
-                raise PipelineError(msg)
-            columns = tuple(columns)
-        if batch_rows is not None:
-            check_int(batch_rows, "batch_rows", stage, 1)
-        options = {"columns": columns, "batch_rows": batch_rows}
+        options = read_parquet_options(columns, batch_rows, stage)
         return self._add("read_parquet", name, "central", options=options)
 
     def map(
@@ -213,31 +187,14 @@ class Pipeline:
         way to make ``executor="thread"`` pay). Items, outputs, state and
         checkpoints are those of the per-item map; when a call raises, each
         item is tried on its own (``fn([item])``) so only the failing ones fail."""
-        options = self._transform_options("map", name, parallel, with_rng)
-        stage = name or self._default_name("map")
-        if not isinstance(batched, bool):
-            raise PipelineError(f"stage '{stage}': `batched` must be a bool, got {batched!r}.")
-        if batched:
-            if with_rng:
-                msg = (
-                    f"stage '{stage}': batched=True and with_rng=True do not go together (a "
-                    "generator is per item); draw per-item seeds inside fn, or drop batched."
-                )
-                raise PipelineError(msg)
-            if self._dispatch_index() is None and not parallel:
-                msg = (
-                    f"stage '{stage}': batched=True is for maps that run in the workers: pass "
-                    "parallel=True, or build the map after dispatch()."
-                )
-                raise PipelineError(msg)
-            options["batched"] = True
+        options = self._item_options("map", name, parallel, with_rng, batched)
         return self._add("map", name, self._placement_for("map"), fn=fn, options=options)
 
     def filter(
         self, pred: Callable[[Any], bool], /, *, parallel: bool = False, name: str | None = None
     ) -> Pipeline:
         """Keep the items for which ``pred(item)`` is true (``parallel``: see ``map``)."""
-        options = self._transform_options("filter", name, parallel, False)
+        options = self._item_options("filter", name, parallel)
         return self._add("filter", name, self._placement_for("filter"), fn=pred, options=options)
 
     def flat_map(
@@ -249,37 +206,27 @@ class Pipeline:
         name: str | None = None,
     ) -> Pipeline:
         """Each item becomes the items of the iterable ``fn(item)`` (``parallel``: see ``map``)."""
-        options = self._transform_options("flat_map", name, parallel, False)
+        options = self._item_options("flat_map", name, parallel)
         placement = self._placement_for("flat_map")
         return self._add("flat_map", name, placement, fn=fn, options=options)
 
-    def _transform_options(
-        self, kind: str, name: str | None, parallel: Any, with_rng: Any
-    ) -> dict[str, Any]:
-        stage = name or self._default_name(kind)
-        for flag, value in (("parallel", parallel), ("with_rng", with_rng)):
-            if not isinstance(value, bool):
-                raise PipelineError(f"stage '{stage}': `{flag}` must be a bool, got {value!r}.")
-        central = self._dispatch_index() is None
-        if parallel and not central:
-            msg = (
-                f"stage '{stage}': parallel=True is for stages before dispatch(); after "
-                f"dispatch() ('{self.dispatch_name}') {kind}() already runs in the workers."
-            )
-            raise PipelineError(msg)
-        if with_rng and central and not parallel:
-            msg = (
-                f"stage '{stage}': with_rng=True is for worker maps (after dispatch()) and "
-                "parallel maps: pass parallel=True; an inline central map sees items in a "
-                "fixed order and can keep its own seeded generator."
-            )
-            raise PipelineError(msg)
-        options: dict[str, Any] = {}
-        if kind == "map":
-            options["with_rng"] = with_rng
-        if parallel:
-            options["parallel"] = True
-        return options
+    def _item_options(
+        self,
+        kind: str,
+        name: str | None,
+        parallel: Any,
+        with_rng: Any = False,
+        batched: Any = False,
+    ) -> ItemOptions:
+        return item_options(
+            kind,
+            name or self._default_name(kind),
+            central=self._dispatch_index() is None,
+            dispatch_name=self.dispatch_name,
+            parallel=parallel,
+            with_rng=with_rng,
+            batched=batched,
+        )
 
     def batch(
         self, batch_size: int, /, *, drop_last: bool = False, name: str | None = None
@@ -313,20 +260,9 @@ class Pipeline:
         ``[min_len, max_len]`` are dropped; one longer than ``max_tokens`` is
         emitted alone. Equal lengths keep arrival order."""
         stage = name or self._default_name("bucket_by_max_tokens")
-        check_int(max_tokens, "max_tokens", stage, 1)
-        check_callable(len_fn, "`len_fn`", stage)
-        if buffer_size is not None:
-            check_int(buffer_size, "buffer_size", stage, 1)
-        check_int(min_len, "min_len", stage, 0)
-        if max_len is not None:
-            check_int(max_len, "max_len", stage, min_len)
-        options = {
-            "max_tokens": max_tokens,
-            "buffer_size": buffer_size,
-            "min_len": min_len,
-            "max_len": max_len,
-            "include_padding": bool(include_padding),
-        }
+        options = bucket_options(
+            max_tokens, len_fn, buffer_size, min_len, max_len, include_padding, stage
+        )
         return self._add("bucket_by_max_tokens", name, "central", fn=len_fn, options=options)
 
     def pack(
@@ -347,24 +283,8 @@ class Pipeline:
         ``buffer_size`` items. An item longer than ``max_tokens`` raises
         ``PipelineError`` at iteration (``oversize="raise"``) or is dropped and
         counted (``"drop"``). ``query(name)`` reports the fill rate so far."""
-        from centralpipe.stages.pack import OVERSIZE, STRATEGIES
-
         stage = name or self._default_name("pack")
-        check_int(max_tokens, "max_tokens", stage, 1)
-        check_callable(len_fn, "`len_fn`", stage)
-        check_int(buffer_size, "buffer_size", stage, 1)
-        if strategy not in STRATEGIES:
-            msg = f"stage '{stage}': `strategy` must be one of {STRATEGIES}, got {strategy!r}."
-            raise PipelineError(msg)
-        if oversize not in OVERSIZE:
-            msg = f"stage '{stage}': `oversize` must be one of {OVERSIZE}, got {oversize!r}."
-            raise PipelineError(msg)
-        options = {
-            "max_tokens": max_tokens,
-            "strategy": strategy,
-            "buffer_size": buffer_size,
-            "oversize": oversize,
-        }
+        options = pack_options(max_tokens, len_fn, strategy, buffer_size, oversize, stage)
         return self._add("pack", name, "central", fn=len_fn, options=options)
 
     def shuffle(self, buffer_size: int, /, *, name: str | None = None) -> Pipeline:
@@ -379,15 +299,7 @@ class Pipeline:
     ) -> Pipeline:
         """Pass items through, counting them: state ``{"items": n, "weight": w}``
         where ``w`` sums ``weight_fn(item)`` (or counts items)."""
-        if callable(name):
-            fn_name = getattr(name, "__name__", "fn")
-            msg = (
-                f"count() takes the stage's name first and the weight function by keyword: "
-                f'write .count("pre_shard", weight_fn={fn_name}), got {name!r} as the name.'
-            )
-            raise PipelineError(msg)
-        if weight_fn is not None:
-            check_callable(weight_fn, "`weight_fn`", name or self._default_name("count"))
+        check_count(name, weight_fn, self._default_name("count"))
         return self._add("count", name, "central", fn=weight_fn)
 
     def shard(
@@ -396,12 +308,7 @@ class Pipeline:
         """Keep central index ``i`` when ``i % world_size == rank``. ``equalize``
         gives every rank the same count: ``"drop_last"`` drops the last
         incomplete round, ``"pad"`` completes it with that round's items."""
-        if equalize not in EQUALIZE:
-            msg = (
-                f"stage '{name or self._default_name('shard')}': `equalize` must be None, "
-                f"'drop_last' or 'pad', got {equalize!r}."
-            )
-            raise PipelineError(msg)
+        check_equalize(equalize, name or self._default_name("shard"))
         return self._add("shard", name, "central", options={"equalize": equalize})
 
     def dispatch(self, *, name: str = "dispatch") -> Pipeline:
@@ -421,13 +328,9 @@ class Pipeline:
     ) -> Pipeline:
         """Worker stage: ``fn(item)`` (default ``torch.utils.data.default_collate``)
         on each item, typically a list made by ``batch()``."""
-        stage = name or self._default_name("collate")
-        if self._dispatch_index() is None:
-            msg = (
-                f"stage '{stage}': collate() is a worker stage; call dispatch() first "
-                "(or use map() for a central function)."
-            )
-            raise PipelineError(msg)
+        check_placement(
+            "collate", name or self._default_name("collate"), "worker", self.dispatch_name
+        )
         if fn is None:
             from torch.utils.data import default_collate
 
@@ -466,15 +369,12 @@ class Pipeline:
         return "\n".join(s.describe() for s in self._specs)
 
     def __repr__(self) -> str:
-        inner = " -> ".join(f"{s.kind}:{s.name}" for s in self._specs)
-        return f"Pipeline({inner})"
+        return plan_repr(self._specs)
 
     # -- internals -------------------------------------------------------------
 
     def _all_specs(self) -> list[StageSpec]:
         """Every stage, with those inside ``mix`` sources after their mix."""
-        from centralpipe.stages.mix import inner_specs
-
         return [x for s in self._specs for x in (s, *inner_specs(s))]
 
     def _dispatch_index(self) -> int | None:
@@ -496,22 +396,18 @@ class Pipeline:
         placement: Placement,
         *,
         fn: Any = None,
-        options: dict[str, Any] | None = None,
+        options: Mapping[str, Any] | None = None,
     ) -> Pipeline:
         stage = self._default_name(kind) if name is None else name
         check_name(stage)
-        if placement == "central" and self._dispatch_index() is not None:
-            msg = (
-                f"stage '{stage}': {kind}() is a central (stateful) stage and cannot come after "
-                f"dispatch() ('{self.dispatch_name}'); move it before .dispatch(). Only map, "
-                "filter, flat_map and collate run in workers."
-            )
-            raise PipelineError(msg)
+        check_placement(kind, stage, placement, self.dispatch_name)
         if fn is not None or kind in WORKER_KINDS:
             check_callable(fn, "the function", stage)
         taken = {s.name for s in self._all_specs()}
         if stage in taken:
             msg = f"stage name '{stage}' is already used in this pipeline; pass a unique name=."
             raise PipelineError(msg)
-        spec = StageSpec(kind, stage, placement, fn=fn, options=dict(options or {}))
+        if not isinstance(options, ItemOptions):
+            options = dict(options or {})
+        spec = StageSpec(kind, stage, placement, fn=fn, options=options)
         return Pipeline((*self._specs, spec))

@@ -30,7 +30,7 @@ one with :func:`pull_one` into ``held`` and removes it with ``held[-1]`` and
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
@@ -39,14 +39,16 @@ from torchdata.nodes import BaseNode
 
 from centralpipe.checkpoint import compact
 from centralpipe.errors import CheckpointError
+from centralpipe.plan.kinds import Total
 from centralpipe.validators import FieldError, checked, sequence_of
 
 if TYPE_CHECKING:
-    from centralpipe.plan.pipeline import StageSpec
+    from centralpipe.plan.specs import StageSpec
 
 __all__ = [
     "HELD",
     "HELD_KEY",
+    "NODE_CLASSES",
     "SOURCE_KEY",
     "CentralNode",
     "HeldState",
@@ -54,6 +56,7 @@ __all__ = [
     "RunContext",
     "Total",
     "add_stage_note",
+    "build_central",
     "held_items",
     "pull_one",
 ]
@@ -86,22 +89,6 @@ class RunContext:
     epoch: int = 0
     rank: int = 0
     world_size: int = 1
-
-
-@attrs.frozen
-class Total:
-    """Items per epoch: exactly ``items``, or at most ``items`` when not ``exact``.
-
-    ``bound_by`` names the first stage that made the count an upper bound
-    (``None`` when exact)."""
-
-    items: int
-    exact: bool = True
-    bound_by: str | None = None
-
-    def at_most(self, stage: str) -> Total:
-        """This total as an upper bound, made one by ``stage`` (if not already)."""
-        return Total(self.items, False, self.bound_by if not self.exact else stage)
 
 
 @attrs.frozen
@@ -143,7 +130,11 @@ class CentralNode(BaseNode[T], Generic[T]):
     A subclass is the one home of its stage kind: ``kind`` (the spec's kind
     string), :meth:`from_spec` (the node of a spec), ``State`` and
     :meth:`check_state` (its checkpoint schema), :meth:`out_total` (its length
-    rule) and ``stamped`` (whether dispatched items carry its totals)."""
+    rule) and ``stamped`` (whether dispatched items carry its totals). A
+    class that declares ``kind`` is registered in :data:`NODE_CLASSES` as it
+    is defined; a second class for one kind is an error. (The per-item
+    kinds' rules are in :mod:`centralpipe.plan.kinds`, which their node
+    classes look up.)"""
 
     kind: str = "node"
     #: ``count`` and ``shard`` stages: each dispatched item is stamped with
@@ -152,6 +143,16 @@ class CentralNode(BaseNode[T], Generic[T]):
     #: The attrs class of ``own_state()``: the checkpoint model checks a stage's
     #: state against it before ``restore`` sees it. ``None``: any dict.
     State: ClassVar[type | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        kind = cls.__dict__.get("kind")
+        if isinstance(kind, str):
+            other = NODE_CLASSES.setdefault(kind, cls)
+            if other is not cls:
+                both = f"{other.__qualname__} and {cls.__qualname__}"
+                msg = f"stage kind {kind!r} has two node classes: {both}."
+                raise TypeError(msg)
 
     def __init__(self, source: BaseNode[Any] | None, *, name: str, ctx: RunContext) -> None:
         super().__init__()
@@ -341,3 +342,21 @@ class CentralNode(BaseNode[T], Generic[T]):
 
     def source_items(self) -> int | None:
         return self.source.items_out if isinstance(self.source, CentralNode) else None
+
+
+#: The node class of each central stage kind, registered as it is defined
+#: (``centralpipe.stages`` imports every stage module): the one home of the
+#: kind (how a spec becomes a node, its state schema, its length rule).
+NODE_CLASSES: dict[str, type[CentralNode[Any]]] = {}
+
+
+def build_central(specs: Sequence[StageSpec], ctx: RunContext) -> list[CentralNode[Any]]:
+    """Nodes for the source and central stages, in order (last = the tip);
+    each made by its kind's node class."""
+    nodes: list[CentralNode[Any]] = []
+    for spec in specs:
+        cls = NODE_CLASSES.get(spec.kind)
+        if cls is None:  # pragma: no cover - the builder makes only known kinds
+            raise AssertionError(f"no node class for central stage kind {spec.kind!r}")
+        nodes.append(cls.from_spec(spec, nodes[-1] if nodes else None, ctx))
+    return nodes

@@ -34,7 +34,7 @@ from attrs import validators as v
 from torchdata.nodes import BaseNode
 
 from centralpipe.checkpoint import compact
-from centralpipe.plan.pipeline import StageSpec
+from centralpipe.plan.specs import StageSpec
 from centralpipe.stages.base import (
     HELD,
     HELD_KEY,

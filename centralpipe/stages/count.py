@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 from torchdata.nodes import BaseNode
 
-from centralpipe.plan.pipeline import StageSpec
+from centralpipe.plan.specs import StageSpec
 from centralpipe.stages.base import HELD, CentralNode, RunContext, Total, held_items, pull_one
 from centralpipe.stages.measures import as_weight
 from centralpipe.validators import NUMBER, FieldError, checked, int_in

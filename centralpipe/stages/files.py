@@ -34,7 +34,7 @@ from torchdata.nodes import BaseNode
 
 from centralpipe.dispatch.worker.ranges import LineRange
 from centralpipe.errors import CheckpointError
-from centralpipe.plan.pipeline import StageSpec
+from centralpipe.plan.specs import StageSpec
 from centralpipe.stages.base import CentralNode, RunContext
 from centralpipe.stages.fs import file_size, is_url, open_binary
 from centralpipe.stages.line_ranges import check_whole_lines, cut

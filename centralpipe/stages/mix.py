@@ -14,7 +14,8 @@ source's next item. ``stop`` says what happens when a drawn source ends:
 Naming: a sub-pipeline's stages keep their names, qualified by the mix and
 the source: stage ``tok`` of source ``en`` in mix ``mix`` is ``mix/en/tok``,
 for queries, metrics, errors and the checkpoint. Qualified names are unique
-within the whole pipeline (the builder refuses a clash).
+within the whole pipeline (the builder refuses a clash). The spec, its
+checks and the qualified names are the builder's: :mod:`centralpipe.plan.mix`.
 
 State: the sampler's generator, items drawn per source this epoch, each
 source's pass, the ended sources, and every sub-pipeline's stage states
@@ -31,27 +32,20 @@ and every source's passes are those of an uninterrupted run.
 from __future__ import annotations
 
 import bisect
-import math
 import random
-import sys
 from collections.abc import Callable, Mapping, Sequence
-from numbers import Real
 from typing import Any
 
 import attrs
 from attrs import validators as v
 
 from centralpipe.errors import PipelineError
-from centralpipe.plan.pipeline import Pipeline, StageSpec
+from centralpipe.plan.specs import STOP_MODES, Plan, StageSpec
 from centralpipe.seeding import derive_seed
-from centralpipe.stages.base import CentralNode, RunContext
+from centralpipe.stages.base import CentralNode, RunContext, build_central
 from centralpipe.validators import FieldError, checked, int_in, sequence_of
 
-__all__ = ["STOP_MODES", "Mix", "MixState", "mix_spec"]
-
-STOP_MODES = ("first_exhausted", "all_exhausted", "never")
-#: Kinds a sub-pipeline may not hold: it would split the stream before mixing.
-REFUSED_KINDS = ("shard",)
+__all__ = ["STOP_MODES", "Mix", "MixState"]
 
 RNG_KEY = "rng"
 DRAWN_KEY = "drawn"
@@ -121,129 +115,6 @@ class MixState:
             raise FieldError("restart", "False when no source is drawn (draw is None)", True)
 
 
-# -- building the spec ------------------------------------------------------------------
-
-
-def _qualify(spec: StageSpec, prefix: str) -> StageSpec:
-    options = spec.options
-    if spec.kind == "mix":
-        options = {
-            **options,
-            "pipelines": {
-                key: Pipeline(tuple(_qualify(s, prefix) for s in pipe.stages))
-                for key, pipe in options["pipelines"].items()
-            },
-        }
-    return attrs.evolve(spec, name=prefix + spec.name, options=options)
-
-
-def check_weights(weights: Any, keys: Sequence[str], name: str) -> dict[str, float]:
-    """Weights as floats in ``keys`` order; ``PipelineError`` naming what is wrong."""
-    if not isinstance(weights, Mapping):
-        msg = (
-            f"mix '{name}': `weights` must be a dict of source name -> weight, "
-            f"got {type(weights).__name__}."
-        )
-        raise PipelineError(msg)
-    missing = [k for k in keys if k not in weights]
-    extra = [k for k in weights if k not in keys]
-    if missing or extra:
-        msg = (
-            f"mix '{name}': `weights` must have one entry per source {list(keys)}; "
-            f"missing {missing}, unknown {extra}."
-        )
-        raise PipelineError(msg)
-    out: dict[str, float] = {}
-    for key in keys:
-        out[key] = _check_weight(weights[key], key, name)
-    if not any(out.values()):
-        msg = f"mix '{name}': at least one weight must be > 0, got {out}."
-        raise PipelineError(msg)
-    if not math.isfinite(sum(out.values())):  # the draw adds them up as floats
-        msg = (
-            f"mix '{name}': the weights must have a finite sum as floats, got {out}; "
-            "scale them down (only their ratios matter)."
-        )
-        raise PipelineError(msg)
-    return out
-
-
-def _check_weight(w: Any, key: str, name: str) -> float:
-    """One source's weight as a finite float >= 0; ``PipelineError`` naming the source."""
-    expected = f"mix '{name}': the weight of source '{key}' must be a finite number >= 0"
-    if not isinstance(w, Real) or isinstance(w, bool):
-        raise PipelineError(f"{expected}, got {type(w).__name__} {w!r:.80}.")
-    try:
-        f = float(w)  # an int or Fraction beyond the float range overflows here
-    except OverflowError:
-        msg = (
-            f"{expected}, got {type(w).__name__} beyond the float range (> {sys.float_info.max:.3g}"
-            " in magnitude); scale the weights down (only their ratios matter)."
-        )
-        raise PipelineError(msg) from None
-    if not math.isfinite(f) or f < 0:
-        raise PipelineError(f"{expected}, got {w!r:.80}.")
-    return f
-
-
-def mix_spec(pipelines: Any, weights: Any, stop: Any, name: Any) -> StageSpec:
-    """The validated ``mix`` source spec; see :meth:`Pipeline.mix`."""
-    if not isinstance(name, str) or not name:
-        raise PipelineError(f"a stage name must be a non-empty str, got {name!r}.")
-    if not isinstance(pipelines, Mapping) or not pipelines:
-        msg = (
-            f"mix '{name}': `pipelines` must be a non-empty dict of source name -> Pipeline, "
-            f"got {pipelines!r:.80}."
-        )
-        raise PipelineError(msg)
-    if stop not in STOP_MODES:
-        raise PipelineError(f"mix '{name}': `stop` must be one of {STOP_MODES}, got {stop!r}.")
-    keys = list(pipelines)
-    subs: dict[str, Pipeline] = {}
-    for key in keys:
-        pipe = pipelines[key]
-        if not isinstance(key, str) or not key or "/" in key:
-            msg = f"mix '{name}': source names must be non-empty str without '/', got {key!r}."
-            raise PipelineError(msg)
-        if not isinstance(pipe, Pipeline):
-            msg = f"mix '{name}': source '{key}' must be a Pipeline, got {type(pipe).__name__}."
-            raise PipelineError(msg)
-        for spec in pipe.stages:
-            if spec.placement in ("dispatch", "worker") or spec.options.get("parallel"):
-                msg = (
-                    f"mix '{name}': source '{key}' has stage '{spec.name}' ({spec.kind}, "
-                    f"{'parallel' if spec.options.get('parallel') else spec.placement}); "
-                    "sub-pipelines hold central stages only: call .dispatch() and parallel "
-                    "stages after Pipeline.mix(...)."
-                )
-                raise PipelineError(msg)
-            if spec.kind in REFUSED_KINDS:
-                msg = (
-                    f"mix '{name}': source '{key}' has a {spec.kind}() ('{spec.name}'); shard "
-                    "the mixed stream instead: Pipeline.mix(...).shard()."
-                )
-                raise PipelineError(msg)
-        prefix = f"{name}/{key}/"
-        subs[key] = Pipeline(tuple(_qualify(s, prefix) for s in pipe.stages))
-    return StageSpec(
-        "mix",
-        name,
-        "source",
-        options={"pipelines": subs, "weights": check_weights(weights, keys, name), "stop": stop},
-    )
-
-
-def inner_specs(spec: StageSpec) -> list[StageSpec]:
-    """Every stage inside a ``mix`` spec (nested mixes included), in order."""
-    out: list[StageSpec] = []
-    if spec.kind == "mix":
-        for pipe in spec.options["pipelines"].values():
-            for s in pipe.stages:
-                out.append(s)
-                out.extend(inner_specs(s))
-    return out
-
-
 # -- the node ---------------------------------------------------------------------------
 
 
@@ -253,14 +124,12 @@ class Mix(CentralNode[Any]):
 
     @classmethod
     def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> Mix:
-        from centralpipe.stages import build_central  # the sources' own chains
-
         o = spec.options
         return cls(o["pipelines"], o["weights"], o["stop"], build_central, name=spec.name, ctx=ctx)
 
     def __init__(
         self,
-        pipelines: Mapping[str, Pipeline],
+        pipelines: Mapping[str, Plan],
         weights: Mapping[str, float],
         stop: str,
         build: Builder,

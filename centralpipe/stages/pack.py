@@ -54,15 +54,12 @@ from attrs import validators as v
 from torchdata.nodes import BaseNode
 
 from centralpipe.errors import PipelineError
-from centralpipe.plan.pipeline import StageSpec
+from centralpipe.plan.specs import OVERSIZE, STRATEGIES, StageSpec
 from centralpipe.stages.base import HELD, CentralNode, RunContext, Total, held_items, pull_one
 from centralpipe.stages.measures import as_length
 from centralpipe.validators import FieldError, checked, int_in, sequence_of
 
-__all__ = ["STRATEGIES", "Pack", "PackState"]
-
-STRATEGIES = ("first_fit", "best_fit")
-OVERSIZE = ("raise", "drop")
+__all__ = ["OVERSIZE", "STRATEGIES", "Pack", "PackState"]
 
 GROUPS_KEY = "groups"
 EMITTED_KEY = "emitted"

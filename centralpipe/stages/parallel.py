@@ -19,21 +19,30 @@ from typing import Any
 
 from torchdata.nodes import BaseNode
 
+from centralpipe.plan.kinds import Total
+from centralpipe.plan.specs import StageSpec
 from centralpipe.stages.base import CentralNode, NoState, RunContext
 
 __all__ = ["Parallel"]
 
 
 class Parallel(CentralNode[Any]):
-    """See the module docstring. The Loader attaches a stream at each run."""
+    """See the module docstring. The Loader attaches a stream at each run.
+
+    The node of every ``parallel=True`` spec (made by its kind's node class,
+    :mod:`centralpipe.stages.transform`); its length rule is its kind's
+    (``item_kind``)."""
 
     #: Marks the stages whose outputs come from an ordered stream.
     parallel = True
     State = NoState
 
-    def __init__(self, source: BaseNode[Any], spec: Any, *, name: str, ctx: RunContext) -> None:
+    def __init__(
+        self, source: BaseNode[Any], spec: StageSpec, *, name: str, ctx: RunContext
+    ) -> None:
         super().__init__(source, name=name, ctx=ctx)
         self.kind = spec.kind
+        self.item_kind = spec.item_kind
         self.spec = spec
         #: Totals of the count/shard stages before this one (set by the Loader).
         self.stamper: Any = None
@@ -41,18 +50,14 @@ class Parallel(CentralNode[Any]):
         self._outputs: Iterator[Any] | None = None
 
     @classmethod
-    def from_spec(cls, spec: Any, source: Any, ctx: RunContext) -> Parallel:
+    def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> Parallel:
         return cls(source, spec, name=spec.name, ctx=ctx)
 
-    def out_total(self, total: Any) -> Any:
-        if self.kind == "map":
-            return total
-        if self.kind == "filter":
-            return total.at_most(self.name)
-        return None
+    def out_total(self, total: Total) -> Total | None:
+        return self.item_kind.out_total(total, self.name)
 
     def max_items_out(self, state: Any, bound_in: int | None) -> int | None:
-        return bound_in if self.kind in ("map", "filter") else None
+        return self.item_kind.max_items_out(bound_in)
 
     def attach(self, stream: Any) -> None:
         """Take outputs from ``stream`` (a new one at each run)."""

@@ -30,7 +30,7 @@ from attrs import validators as v
 from torchdata.nodes import BaseNode
 
 from centralpipe.errors import CheckpointError
-from centralpipe.plan.pipeline import StageSpec
+from centralpipe.plan.specs import StageSpec
 from centralpipe.stages.base import CentralNode, RunContext
 from centralpipe.stages.counts import cached_count
 from centralpipe.stages.files import (

@@ -41,7 +41,7 @@ from attrs import validators as v
 from torchdata.nodes import BaseNode
 
 from centralpipe.checkpoint import compact
-from centralpipe.plan.pipeline import StageSpec
+from centralpipe.plan.specs import StageSpec
 from centralpipe.stages.base import CentralNode, RunContext, Total
 from centralpipe.stages.count import Count
 from centralpipe.validators import FieldError, checked, int_in, sequence_of

@@ -23,7 +23,7 @@ import attrs
 from attrs import validators as v
 from torchdata.nodes import BaseNode
 
-from centralpipe.plan.pipeline import StageSpec
+from centralpipe.plan.specs import StageSpec
 from centralpipe.seeding import derive_seed
 from centralpipe.stages.base import CentralNode, RunContext, Total, pull_one
 from centralpipe.validators import FieldError, checked, int_in, sequence_of

@@ -30,7 +30,7 @@ from attrs import validators as v
 from torchdata.nodes import BaseNode
 
 from centralpipe.errors import CheckpointError, PipelineError
-from centralpipe.plan.pipeline import StageSpec
+from centralpipe.plan.specs import StageSpec
 from centralpipe.stages.base import CentralNode, RunContext
 from centralpipe.stages.fs import file_size, glob_url, is_url
 from centralpipe.validators import FieldError, checked, int_in

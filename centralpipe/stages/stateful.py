@@ -30,7 +30,7 @@ import attrs
 from attrs import validators as v
 
 from centralpipe.errors import PipelineError
-from centralpipe.plan.pipeline import StageSpec
+from centralpipe.plan.specs import StageSpec
 from centralpipe.stages.base import CentralNode, RunContext
 from centralpipe.validators import FieldError, checked, int_in
 

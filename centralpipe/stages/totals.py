@@ -4,7 +4,7 @@
 item count, *exact* or only an *upper bound*) or ``None`` (unknown). The rules:
 
 Each central kind's rule is its node class's ``out_total`` (the kind's one
-home), each worker kind's is in ``pipeline.WORKER_KINDS``; sources and
+home), each worker kind's is in ``plan.kinds.WORKER_KINDS``; sources and
 ``read_lines``/``mix``, which need the chain around them, are walked here:
 
 - sources with a length (sequences, datasets, file lists): exact;
@@ -47,7 +47,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from centralpipe.plan.pipeline import WORKER_KINDS, StageSpec
+from centralpipe.plan.kinds import WORKER_KINDS
+from centralpipe.plan.specs import StageSpec
 from centralpipe.stages.base import RunContext, Total
 from centralpipe.stages.files import count_lines
 from centralpipe.stages.mix import Mix

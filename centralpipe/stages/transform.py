@@ -1,4 +1,10 @@
-"""Central ``map``, ``filter`` and ``flat_map``.
+"""Central ``map``, ``filter`` and ``flat_map``: the node classes of the per-item kinds.
+
+Each kind's rules (typed options, length rule, how it applies in the
+workers) are its :class:`~centralpipe.plan.kinds.WorkerKind`, which the node
+class looks up. A spec with ``parallel=True`` becomes a
+:class:`~centralpipe.stages.parallel.Parallel` (the function runs on the
+workers); otherwise the function runs inline, in the central chain.
 
 ``map`` and ``filter`` keep no state of their own. ``flat_map`` keeps the
 outputs of the current input that were not yet emitted, so a checkpoint in the
@@ -13,12 +19,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 from torchdata.nodes import BaseNode
 
-from centralpipe.plan.pipeline import StageSpec
+from centralpipe.plan.kinds import FILTER, FLAT_MAP, MAP, WorkerKind
+from centralpipe.plan.specs import StageSpec
 from centralpipe.stages.base import (
     HELD,
     CentralNode,
@@ -28,6 +35,7 @@ from centralpipe.stages.base import (
     held_items,
     pull_one,
 )
+from centralpipe.stages.parallel import Parallel
 from centralpipe.validators import FieldError, checked, sequence_of
 
 __all__ = ["Filter", "FlatMap", "FlatMapState", "Map"]
@@ -41,7 +49,31 @@ class FlatMapState:
     held: list[Any] = attrs.field(factory=list, converter=held_items, validator=HELD)
 
 
-class _OneHeld(CentralNode[Any]):
+class _PerItem(CentralNode[Any]):
+    """The node of a per-item kind (``item_kind``): inline, or parallel."""
+
+    item_kind: ClassVar[WorkerKind]
+
+    @classmethod
+    def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> CentralNode[Any]:
+        if spec.parallel:
+            return Parallel.from_spec(spec, source, ctx)
+        return cls(source, spec.fn, name=spec.name, ctx=ctx)
+
+    def __init__(
+        self, source: BaseNode[Any], fn: Callable[..., Any], *, name: str, ctx: RunContext
+    ) -> None:
+        super().__init__(source, name=name, ctx=ctx)
+        self._fn = fn
+
+    def out_total(self, total: Total) -> Total | None:
+        return self.item_kind.out_total(total, self.name)
+
+    def max_items_out(self, state: Any, bound_in: int | None) -> int | None:
+        return self.item_kind.max_items_out(bound_in)
+
+
+class _OneHeld(_PerItem):
     """A stage that holds at most the one input of an interrupted call."""
 
     State = HeldState
@@ -57,23 +89,8 @@ class _OneHeld(CentralNode[Any]):
 
 
 class Map(_OneHeld):
-    kind = "map"
-
-    @classmethod
-    def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> Map:
-        return cls(source, spec.fn, name=spec.name, ctx=ctx)
-
-    def out_total(self, total: Total) -> Total | None:
-        return total
-
-    def max_items_out(self, state: Any, bound_in: int | None) -> int | None:
-        return bound_in
-
-    def __init__(
-        self, source: BaseNode[Any], fn: Callable[[Any], Any], *, name: str, ctx: RunContext
-    ) -> None:
-        super().__init__(source, name=name, ctx=ctx)
-        self._fn = fn
+    kind = MAP.name
+    item_kind = MAP
 
     def produce(self) -> Any:
         assert self.source is not None
@@ -91,27 +108,12 @@ class Map(_OneHeld):
 
 
 class Filter(_OneHeld):
-    kind = "filter"
-
-    @classmethod
-    def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> Filter:
-        return cls(source, spec.fn, name=spec.name, ctx=ctx)
-
-    def out_total(self, total: Total) -> Total | None:
-        return total.at_most(self.name)
-
-    def max_items_out(self, state: Any, bound_in: int | None) -> int | None:
-        return bound_in
-
-    def __init__(
-        self, source: BaseNode[Any], pred: Callable[[Any], bool], *, name: str, ctx: RunContext
-    ) -> None:
-        super().__init__(source, name=name, ctx=ctx)
-        self._pred = pred
+    kind = FILTER.name
+    item_kind = FILTER
 
     def produce(self) -> Any:
         assert self.source is not None
-        pred, source, held = self._pred, self.source, self.held
+        pred, source, held = self._fn, self.source, self.held
         while True:
             if not held:
                 pull_one(source, held)
@@ -127,13 +129,10 @@ class Filter(_OneHeld):
                 return item
 
 
-class FlatMap(CentralNode[Any]):
-    kind = "flat_map"
+class FlatMap(_PerItem):
+    kind = FLAT_MAP.name
+    item_kind = FLAT_MAP
     State = FlatMapState
-
-    @classmethod
-    def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> FlatMap:
-        return cls(source, spec.fn, name=spec.name, ctx=ctx)
 
     def __init__(
         self,
@@ -143,8 +142,7 @@ class FlatMap(CentralNode[Any]):
         name: str,
         ctx: RunContext,
     ) -> None:
-        super().__init__(source, name=name, ctx=ctx)
-        self._fn = fn
+        super().__init__(source, fn, name=name, ctx=ctx)
         self._pending: deque[Any] = deque()
 
     def produce(self) -> Any:

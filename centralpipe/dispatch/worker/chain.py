@@ -3,7 +3,9 @@
 The same :class:`WorkerChain` runs inside each worker process and inline in
 the main process (``num_workers=0``), so output does not depend on where it ran.
 Output depends only on ``(item, seed, epoch, seq)``: ``map(fn, with_rng=True)``
-gets a ``torch.Generator`` seeded from those and the stage name.
+gets a ``torch.Generator`` seeded from those and the stage name. How each
+stage applies to an input's values is its kind's
+(:class:`~centralpipe.plan.kinds.WorkerKind`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from centralpipe.dispatch.wire.protocol import (
     status_idle,
     status_stage,
 )
-from centralpipe.plan.specs import WORKER_KINDS, StageSpec
+from centralpipe.plan.kinds import WorkerKind
+from centralpipe.plan.specs import StageSpec
 from centralpipe.seeding import derive_seed
 
 __all__ = ["WorkerChain", "is_stateful"]
@@ -43,11 +46,11 @@ class WorkerChain:
         #: Lists of 1-D arrays cross as one buffer plus offsets (``wire.tokens``):
         #: a chunk's outputs on the way back, and each item on the way in.
         self.flat_arrays = flat_arrays
-        self._stages = [(s.kind, s.name, s.fn, bool(s.options.get("with_rng"))) for s in specs]
+        self._stages = [(s.item_kind, s.name, s.fn, s.item_options.with_rng) for s in specs]
         # 1:1 chains (only maps/collates) skip the per-input output counts.
-        self.one_to_one = all(WORKER_KINDS[kind].outputs == "one" for kind, *_ in self._stages)
+        self.one_to_one = all(kind.outputs == "one" for kind, *_ in self._stages)
         #: Indexes of the batched maps (``fn(list of items) -> list``).
-        self._batched = frozenset(i for i, s in enumerate(specs) if s.options.get("batched"))
+        self._batched = frozenset(i for i, (k, *_) in enumerate(self._stages) if k.batched)
         # Maps without rng run in a tight loop until one raises.
         plain = self.one_to_one and not any(rng for *_, rng in self._stages) and not self._batched
         self._plain_maps = [fn for _, _, fn, _ in self._stages] if plain else None
@@ -142,7 +145,8 @@ class WorkerChain:
                 if status is not None and stage_index:
                     status_stage(status, stage_index)
                 try:
-                    values = self._apply(kind, name, fn, with_rng, values, epoch, key0 + i * step)
+                    rng = self.make_rng(epoch, key0 + i * step, name) if with_rng else None
+                    values = kind.apply(fn, values, rng)
                 except Exception as exc:
                     failures.append(
                         StageFailure(
@@ -161,27 +165,6 @@ class WorkerChain:
             failures or None,
             time.perf_counter() - start,
         )
-
-    def _apply(
-        self,
-        kind: str,
-        name: str,
-        fn: Any,
-        with_rng: bool,
-        values: list[Any],
-        epoch: int,
-        seq: int,
-    ) -> list[Any]:
-        if kind in ("map", "collate"):
-            if with_rng:
-                rng = self.make_rng(epoch, seq, name)
-                return [fn(v, rng) for v in values]
-            return [fn(v) for v in values]
-        if kind == "filter":
-            return [v for v in values if fn(v)]
-        if kind == "flat_map":
-            return [out for v in values for out in fn(v)]
-        raise AssertionError(f"unknown worker stage kind {kind!r}")
 
     def _run_stagewise(
         self,
@@ -205,13 +188,12 @@ class WorkerChain:
                 status_stage(status, stage_index)
             live = [i for i in range(len(groups)) if i not in failed and groups[i]]
             if stage_index in self._batched:
-                self._call_batched(name, fn, groups, live, failed)
+                self._call_batched(kind, name, fn, groups, live, failed)
                 continue
             for i in live:
                 try:
-                    groups[i] = self._apply(
-                        kind, name, fn, with_rng, groups[i], epoch, key0 + i * step
-                    )
+                    rng = self.make_rng(epoch, key0 + i * step, name) if with_rng else None
+                    groups[i] = kind.apply(fn, groups[i], rng)
                 except Exception as exc:
                     failed[i] = _failure(i, name, exc)
                     groups[i] = []
@@ -225,6 +207,7 @@ class WorkerChain:
 
     @staticmethod
     def _call_batched(
+        kind: WorkerKind,
         name: str,
         fn: Any,
         groups: list[list[Any]],
@@ -235,11 +218,11 @@ class WorkerChain:
         raises (or returns the wrong number of outputs), input by input."""
         values = [v for i in live for v in groups[i]]
         try:
-            outs = _batched_outputs(fn, values)
+            outs = kind.apply(fn, values, None)
         except Exception:
             for i in live:
                 try:
-                    groups[i] = _batched_outputs(fn, groups[i])
+                    groups[i] = kind.apply(fn, groups[i], None)
                 except Exception as exc:
                     failed[i] = _failure(i, name, exc)
                     groups[i] = []
@@ -269,20 +252,3 @@ class WorkerChain:
 
 def _failure(i: int, stage: str, exc: Exception) -> StageFailure:
     return StageFailure(i, stage, type(exc).__name__, exception_text(exc), traceback.format_exc())
-
-
-def _batched_outputs(fn: Any, values: list[Any]) -> list[Any]:
-    """``fn(values)`` as a list of one output per value, else ``TypeError``."""
-    outs = fn(values)
-    try:
-        outs = list(outs)
-    except TypeError:
-        msg = f"a batched map must return a list (one output per item), got {type(outs).__name__}"
-        raise TypeError(msg) from None
-    if len(outs) != len(values):
-        msg = (
-            f"a batched map must return one output per item: {len(values)} item(s) in, "
-            f"{len(outs)} output(s) out"
-        )
-        raise ValueError(msg)
-    return outs

@@ -24,7 +24,8 @@ Finding the service, its process and the clients are in
 - each local rank has its own dispatch stream and checkpoint (a
   :class:`RankCentral`, a :class:`~centralpipe.dispatch.local.LocalCentral`
   over the shared stages): ``num_workers`` is the node's, split evenly
-  between the local ranks;
+  between the local ranks (the shared parallel stages have the node's
+  ``num_workers`` to themselves);
 - a rank's ``state_dict()`` is today's per-rank format: the shared stages'
   states at the window's head, its shard there, and the items of its rank
   between its shard's position and the head as the dispatch boundary's
@@ -42,9 +43,13 @@ Finding the service, its process and the clients are in
   a killed service is one on every rank at once (the connection ends). The
   service ends when its last client closes or dies.
 
+A ``parallel=True`` stage among the shared stages (the seed pipeline's
+tokenizer) runs once per node too, on the node-wide worker pool of
+:mod:`centralpipe.dispatch.nodepool`; its in-flight inputs at the head are
+part of every rank's state, as its stream's entry is in ``central="process"``.
+
 Node mode needs ``shard()`` as the last central stage, right before
-``dispatch()``, and no ``parallel=True`` stage before it (its worker stream
-would be one rank's); other pipelines are a ``PipelineError`` naming why.
+``dispatch()``; other pipelines are a ``PipelineError`` naming why.
 """
 
 from __future__ import annotations
@@ -56,7 +61,9 @@ from typing import Any
 
 from centralpipe import checkpoint, resume
 from centralpipe.config import LoaderConfig
+from centralpipe.dispatch.boundary import empty_segment_entry
 from centralpipe.dispatch.local import LocalCentral
+from centralpipe.dispatch.nodepool import SharedSegments
 from centralpipe.dispatch.worker.loop import main_alive
 from centralpipe.errors import CheckpointError, PipelineError, ServiceError
 from centralpipe.plan.pipeline import Pipeline
@@ -121,6 +128,8 @@ class _Window:
         #: The shared stages' states at the end of the epoch (kept for the
         #: ranks still delivering it once the node moved on).
         self.end_states: dict[str, Any] | None = None
+        #: The shared parallel stages' in-flight entries then (none in flight).
+        self.end_segments: dict[str, Any] | None = None
 
     def get(self, n: int, reader: NodeShard, produce: bool = True) -> Any:
         while n >= self.head:
@@ -226,22 +235,19 @@ class NodeStream:
             world_size=config.distributed.world_size,
         )
         self.nodes: list[CentralNode[Any]] = build_central(specs[:-1], self.ctx)
-        if any(isinstance(n, Parallel) for n in self.nodes):
-            raise PipelineError(
-                "central='node' cannot share a parallel=True stage before shard() between "
-                "ranks (its worker stream would be one rank's): drop parallel=True there, or "
-                "use central='service'."
-            )
         for node in self.nodes:
             node.prepare()
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
+        #: The parallel stages among the shared ones, on the node-wide pool.
+        self.segments = SharedSegments(self.nodes, config, self.lock)
+        self._boundary = pipeline.dispatch_name or "dispatch"
         #: The shared stages' states before the first epoch (a rank's state
         #: before it iterates).
         self.fresh_states = {n.name: n.own_state() for n in self.nodes}
         self.counts = [n for n in self.nodes if isinstance(n, Count)]
         self.shard_spec = specs[-1]
         self.local_world = local_world
-        self.lock = threading.RLock()
-        self.cond = threading.Condition(self.lock)
         self.epoch = 0
         self.window = _Window(self, 0, 0)
         self.shards: list[NodeShard | None] = [None] * local_world
@@ -314,9 +320,10 @@ class NodeStream:
         except StopIteration:
             window.ended = True
             window.end_states = {n.name: n.own_state() for n in self.nodes}
+            window.end_segments = self.segments.entries()
             self.cond.notify_all()
             return
-        window.items.append((item, tuple((c.items, c.weight) for c in self.counts)))
+        window.items.append((item, self._stamp()))
         window.head += 1
 
     def moved(self, window: _Window) -> None:
@@ -351,6 +358,7 @@ class NodeStream:
                             self.nodes[-1].load_flat(None)
                             self.epoch = epoch
                             self.window = _Window(self, epoch, 0)
+                            self.segments.start(epoch, {})
                             self.cond.notify_all()
                             break
                         left = deadline - time.monotonic()
@@ -375,6 +383,23 @@ class NodeStream:
         if window is not self.window and window.end_states is not None:
             return dict(window.end_states)
         return {n.name: n.own_state() for n in self.nodes}
+
+    def segment_entries(self, shard: NodeShard) -> dict[str, dict[str, Any]]:
+        """The shared parallel stages' in-flight entries that go with
+        :meth:`shared_states` (the caller holds the lock)."""
+        window = shard.window
+        if window is None:
+            return {n.name: empty_segment_entry() for n in self.segments.segments}
+        if window is not self.window and window.end_segments is not None:
+            return dict(window.end_segments)
+        return self.segments.entries()
+
+    def _stamp(self) -> tuple[tuple[int, float], ...]:
+        """The ``count`` totals the item just out of the shared stages leaves
+        with (through a parallel stage, as ``central="process"`` stamps it)."""
+        if not self.segments.segments:
+            return tuple((c.items, c.weight) for c in self.counts)
+        return tuple(tuple(x) for x in self.segments.stamper() or ())
 
     def exchange_load(
         self, local_rank: int, state: dict[str, Any] | BaseException
@@ -438,6 +463,8 @@ class NodeStream:
         start = int(shard.get("source_index", shard["index"]))
         self.epoch = merged["epoch"]
         self.window = _Window(self, self.epoch, start)
+        readers = resume.readers(self.nodes)
+        self.segments.start(self.epoch, resume.plans(merged, self._boundary, readers))
         return merged
 
     def mark_gone(self, local_rank: int, clean: bool) -> None:
@@ -452,6 +479,9 @@ class NodeStream:
             self.cond.notify_all()
 
     def release(self) -> None:
+        """End the shared parallel streams and their pool; close the files."""
+        with self.lock:
+            self.segments.close()
         if self.nodes:
             self.nodes[-1].release()
 
@@ -468,6 +498,10 @@ class RankCentral(LocalCentral):
         # One lock for every rank: their feeders share the stages before shard().
         self._res.chain_lock = stream.lock
         self._res.nodes = [self._nodes[-1]]
+
+    def _driven_nodes(self) -> list[Any]:
+        # The shared parallel stages' streams are the node's (NodeStream.segments).
+        return [n for n in self._nodes if not isinstance(n, Parallel)]
 
     def _build_nodes(self, pipeline: Pipeline) -> list[Any]:
         spec = self._stream.shard_spec
@@ -489,6 +523,7 @@ class RankCentral(LocalCentral):
                 epoch = self.epoch
             state, items, stamps = shard.ahead()
             body["central"] = {**stream.shared_states(shard), shard.name: state}
+            body["segments"] = stream.segment_entries(shard)
         flight = body["in_flight"]
         # A feeder waiting for a stalled rank (NodeStream.advance) let go of
         # the chain lock inside its pull: its chunk's items are in flight

@@ -60,6 +60,7 @@ from collections import deque
 from typing import Any
 
 from centralpipe import checkpoint, resume
+from centralpipe.checkpoint import compact
 from centralpipe.config import LoaderConfig
 from centralpipe.dispatch.boundary import empty_segment_entry
 from centralpipe.dispatch.local import LocalCentral
@@ -486,6 +487,25 @@ class NodeStream:
             self.nodes[-1].release()
 
 
+def _add_ahead(body: dict[str, Any], items: list[Any], stamps: list[Any]) -> None:
+    """The items of a rank between its shard's position and the head, after
+    the ones its dispatch stream has in flight (``body``, a run's capture)."""
+    flight = body["in_flight"]
+    had = compact.decode_items(flight["items"])  # compact when they are token arrays
+    # A feeder waiting for a stalled rank (NodeStream.advance) let go of the
+    # chain lock inside its pull: its chunk's items are in flight already,
+    # their seq numbers not yet counted.
+    body["next_seq"] = max(body["next_seq"], flight["first_seq"] + len(had))
+    if not items:
+        return
+    flight["items"] = compact.encode_items([*had, *items])
+    if flight.get("stamps") is not None:
+        flight["stamps"] = [*flight["stamps"], *stamps]
+    if not had:
+        flight["first_seq"] = body["next_seq"]
+    body["next_seq"] += len(items)
+
+
 class RankCentral(LocalCentral):
     """One local rank's central part inside the node service."""
 
@@ -524,18 +544,7 @@ class RankCentral(LocalCentral):
             state, items, stamps = shard.ahead()
             body["central"] = {**stream.shared_states(shard), shard.name: state}
             body["segments"] = stream.segment_entries(shard)
-        flight = body["in_flight"]
-        # A feeder waiting for a stalled rank (NodeStream.advance) let go of
-        # the chain lock inside its pull: its chunk's items are in flight
-        # already, their seq numbers not yet counted.
-        body["next_seq"] = max(body["next_seq"], flight["first_seq"] + len(flight["items"]))
-        if items:
-            flight["items"] = [*flight["items"], *items]
-            if flight.get("stamps") is not None:
-                flight["stamps"] = [*flight["stamps"], *stamps]
-            if not flight["items"][: -len(items)]:
-                flight["first_seq"] = body["next_seq"]
-            body["next_seq"] += len(items)
+        _add_ahead(body, items, stamps)
         dist = self._config.distributed
         return resume.assemble(
             body,
@@ -547,6 +556,11 @@ class RankCentral(LocalCentral):
             boundary=self._boundary,
             stamped=self._stamped,
         )
+
+    def worker_pids(self) -> list[int]:
+        """This rank's workers, then the node-wide pool of the shared parallel stages."""
+        # No lock (never waits): the pool attribute is read once.
+        return [*super().worker_pids(), *self._stream.segments.worker_pids()]
 
     def load(self, state_dict: dict[str, Any]) -> None:
         """Every local rank loads its own state; the node resumes from their merge."""

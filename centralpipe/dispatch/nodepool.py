@@ -165,9 +165,7 @@ class SharedSegments:
                 method = w.resolved_start_method()
                 preload = server_preload([n.spec for n in self.segments])
                 if method == "forkserver":
-                    pool = ProcessPool(
-                        w.num_workers, spec, method, w.shared_memory_bytes, preload
-                    )
+                    pool = ProcessPool(w.num_workers, spec, method, w.shared_memory_bytes, preload)
                 else:
                     pool = ProcessPool(w.num_workers, spec, method, w.shared_memory_bytes)
             self.pool = pool  # registered before it starts: close() ends a start cut short

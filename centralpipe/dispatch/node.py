@@ -22,10 +22,11 @@ Finding the service, its process and the clients are in
   shard would in ``central="process"``; node ``n``'s local rank ``l`` is
   global rank ``n * W + l``;
 - each local rank has its own dispatch stream and checkpoint (a
-  :class:`RankCentral`, a :class:`~centralpipe.dispatch.local.LocalCentral`
-  over the shared stages): ``num_workers`` is the node's, split evenly
-  between the local ranks (the shared parallel stages have the node's
-  ``num_workers`` to themselves);
+  :class:`~centralpipe.dispatch.noderank.RankCentral`, a
+  :class:`~centralpipe.dispatch.local.LocalCentral` over the shared
+  stages): ``num_workers`` is the node's, split evenly between the local
+  ranks (the shared parallel stages have the node's ``num_workers`` to
+  themselves);
 - a rank's ``state_dict()`` is today's per-rank format: the shared stages'
   states at the window's head, its shard there, and the items of its rank
   between its shard's position and the head as the dispatch boundary's
@@ -59,16 +60,14 @@ import time
 from collections import deque
 from typing import Any
 
-from centralpipe import checkpoint, resume
-from centralpipe.checkpoint import compact
+from centralpipe import resume
 from centralpipe.config import LoaderConfig
 from centralpipe.dispatch.boundary import empty_segment_entry
-from centralpipe.dispatch.local import LocalCentral
 from centralpipe.dispatch.nodepool import SharedSegments
 from centralpipe.dispatch.worker.loop import main_alive
 from centralpipe.errors import CheckpointError, PipelineError, ServiceError
 from centralpipe.plan.pipeline import Pipeline
-from centralpipe.stages import Count, Parallel, RunContext, Shard, build_central
+from centralpipe.stages import Count, RunContext, Shard, build_central
 from centralpipe.stages.base import CentralNode
 
 __all__ = [
@@ -76,7 +75,6 @@ __all__ = [
     "WINDOW_ITEMS",
     "NodeShard",
     "NodeStream",
-    "RankCentral",
     "check_node_pipeline",
 ]
 
@@ -485,95 +483,3 @@ class NodeStream:
             self.segments.close()
         if self.nodes:
             self.nodes[-1].release()
-
-
-def _add_ahead(body: dict[str, Any], items: list[Any], stamps: list[Any]) -> None:
-    """The items of a rank between its shard's position and the head, after
-    the ones its dispatch stream has in flight (``body``, a run's capture)."""
-    flight = body["in_flight"]
-    had = compact.decode_items(flight["items"])  # compact when they are token arrays
-    # A feeder waiting for a stalled rank (NodeStream.advance) let go of the
-    # chain lock inside its pull: its chunk's items are in flight already,
-    # their seq numbers not yet counted.
-    body["next_seq"] = max(body["next_seq"], flight["first_seq"] + len(had))
-    if not items:
-        return
-    flight["items"] = compact.encode_items([*had, *items])
-    if flight.get("stamps") is not None:
-        flight["stamps"] = [*flight["stamps"], *stamps]
-    if not had:
-        flight["first_seq"] = body["next_seq"]
-    body["next_seq"] += len(items)
-
-
-class RankCentral(LocalCentral):
-    """One local rank's central part inside the node service."""
-
-    def __init__(
-        self, pipeline: Pipeline, config: LoaderConfig, stream: NodeStream, local_rank: int
-    ) -> None:
-        self._stream = stream
-        self._local = local_rank
-        super().__init__(pipeline, config)
-        # One lock for every rank: their feeders share the stages before shard().
-        self._res.chain_lock = stream.lock
-        self._res.nodes = [self._nodes[-1]]
-
-    def _driven_nodes(self) -> list[Any]:
-        # The shared parallel stages' streams are the node's (NodeStream.segments).
-        return [n for n in self._nodes if not isinstance(n, Parallel)]
-
-    def _build_nodes(self, pipeline: Pipeline) -> list[Any]:
-        spec = self._stream.shard_spec
-        shard = NodeShard(self._stream, self._local, spec.options["equalize"], spec.name, self._ctx)
-        self._stream.shards[self._local] = shard
-        return [*self._stream.nodes, shard]
-
-    def _state(self, what: str) -> dict[str, Any]:
-        if self._resume is not None:
-            return resume.copy_state(self._resume)
-        stream, shard = self._stream, self._nodes[-1]
-        with stream.lock:
-            run = self._res.run
-            if run is not None:
-                body = run.capture(what)
-                epoch = run.stream.epoch
-            else:
-                body = resume.idle_body([], self._nodes)
-                epoch = self.epoch
-            state, items, stamps = shard.ahead()
-            body["central"] = {**stream.shared_states(shard), shard.name: state}
-            body["segments"] = stream.segment_entries(shard)
-        _add_ahead(body, items, stamps)
-        dist = self._config.distributed
-        return resume.assemble(
-            body,
-            fingerprint=self._pipe.fingerprint(),
-            seed=self._config.seed,
-            epoch=epoch,
-            rank=dist.rank,
-            world_size=dist.world_size,
-            boundary=self._boundary,
-            stamped=self._stamped,
-        )
-
-    def worker_pids(self) -> list[int]:
-        """This rank's workers, then the node-wide pool of the shared parallel stages."""
-        # No lock (never waits): the pool attribute is read once.
-        return [*super().worker_pids(), *self._stream.segments.worker_pids()]
-
-    def load(self, state_dict: dict[str, Any]) -> None:
-        """Every local rank loads its own state; the node resumes from their merge."""
-        self._res.end_run()
-        try:
-            ckpt = checkpoint.structure(state_dict)
-            checkpoint.check_pipeline(ckpt, self._expected())
-            mine: dict[str, Any] | BaseException = state_dict
-        except Exception as exc:
-            mine = exc
-        merged = self._stream.exchange_load(self._local, mine)
-        if isinstance(mine, BaseException):
-            raise mine
-        sd = resume.copy_state(merged)
-        with self._stream.lock:
-            self._restore(sd)

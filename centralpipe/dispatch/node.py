@@ -318,8 +318,7 @@ class NodeStream:
             item = self.nodes[-1].next()
         except StopIteration:
             window.ended = True
-            window.end_states = {n.name: n.own_state() for n in self.nodes}
-            window.end_segments = self.segments.entries()
+            window.end_states, window.end_segments = self._capture()
             self.cond.notify_all()
             return
         window.items.append((item, self._stamp()))
@@ -375,23 +374,24 @@ class NodeStream:
 
     # -- checkpoints --------------------------------------------------------------
 
-    def shared_states(self, shard: NodeShard) -> dict[str, Any]:
+    def shared_state(self, shard: NodeShard) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The shared stages' states at ``shard``'s window's head and the
+        in-flight entries of the parallel stages among them (the caller
+        holds the lock)."""
         window = shard.window
         if window is None:
-            return dict(self.fresh_states)
+            empty = {n.name: empty_segment_entry() for n in self.segments.segments}
+            return dict(self.fresh_states), empty
         if window is not self.window and window.end_states is not None:
-            return dict(window.end_states)
-        return {n.name: n.own_state() for n in self.nodes}
+            return dict(window.end_states), dict(window.end_segments or {})
+        return self._capture()
 
-    def segment_entries(self, shard: NodeShard) -> dict[str, dict[str, Any]]:
-        """The shared parallel stages' in-flight entries that go with
-        :meth:`shared_states` (the caller holds the lock)."""
-        window = shard.window
-        if window is None:
-            return {n.name: empty_segment_entry() for n in self.segments.segments}
-        if window is not self.window and window.end_segments is not None:
-            return dict(window.end_segments)
-        return self.segments.entries()
+    def _capture(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        captured = self.segments.capture()
+        if captured is not None:
+            return captured
+        empty = {n.name: empty_segment_entry() for n in self.segments.segments}
+        return {n.name: n.own_state() for n in self.nodes}, empty
 
     def _stamp(self) -> tuple[tuple[int, float], ...]:
         """The ``count`` totals the item just out of the shared stages leaves

@@ -20,9 +20,9 @@ stages after ``dispatch()`` cannot share the shared stages' pool without one
 supervisor for every rank's runs. On the seed pipeline those stages (``pad``)
 are a few percent of the work, and an idle worker costs no CPU.
 
-Checkpoints: :meth:`SharedSegments.entries` is each parallel stage's
-in-flight entry at the head of the shared stages (the caller holds the chain
-lock), exactly what ``Run.capture`` gives in ``central="process"``; every
+Checkpoints: :meth:`SharedSegments.capture` is the shared stages' states
+and each parallel stage's in-flight entry at their head (the caller holds
+the chain lock): ``Run.capture``, as in ``central="process"``; every
 rank's ``state_dict()`` carries it with the shared stages' states, and a load
 resumes the stream from the merged state's entries (:meth:`SharedSegments.start`
 with its plans).
@@ -35,7 +35,7 @@ import threading
 from typing import Any
 
 from centralpipe.config import LoaderConfig
-from centralpipe.dispatch.boundary import Policy, Run, StreamPlan, empty_segment_entry
+from centralpipe.dispatch.boundary import Policy, Run, StreamPlan
 from centralpipe.dispatch.executors.pool import Executor
 from centralpipe.dispatch.executors.preload import server_preload
 from centralpipe.dispatch.executors.procpool import ProcessPool
@@ -118,21 +118,15 @@ class SharedSegments:
         self.run = run  # registered first: stop() ends a start cut short
         run.start()
 
-    def entries(self) -> dict[str, dict[str, Any]]:
-        """Each parallel stage's in-flight entry at the shared stages' head
-        (the caller holds the chain lock)."""
+    def capture(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """The shared stages' states and each parallel stage's in-flight
+        entry at their head (``Run.capture``; the caller holds the chain
+        lock), or ``None`` before the first run."""
         run = self.run
         if run is None:
-            return {n.name: empty_segment_entry() for n in self.segments}
-        out: dict[str, dict[str, Any]] = {}
-        with run.stream.lock:  # the lock a parallel stream is captured under
-            for node, stream in zip(run.segments, run.segment_streams):
-                captured = stream.capture_unlocked()
-                entry = dict(captured["in_flight"])
-                entry["next_seq"] = captured["next_seq"]
-                entry["delivered_stamp"] = captured["delivered_stamp"]
-                out[node.name] = entry
-        return out
+            return None
+        body = run.capture("state_dict()")
+        return body["central"], body["segments"]
 
     def stop(self) -> None:
         """End the current run (bounded); the pool stays for the next."""

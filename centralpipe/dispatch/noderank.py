@@ -81,8 +81,8 @@ class RankCentral(LocalCentral):
                 body = resume.idle_body([], self._nodes)
                 epoch = self.epoch
             state, items, stamps = shard.ahead()
-            body["central"] = {**stream.shared_states(shard), shard.name: state}
-            body["segments"] = stream.segment_entries(shard)
+            shared, body["segments"] = stream.shared_state(shard)
+            body["central"] = {**shared, shard.name: state}
         _add_ahead(body, items, stamps)
         dist = self._config.distributed
         return resume.assemble(

@@ -10,6 +10,8 @@ half-way through the epoch resumes exactly::
     python examples/token_buckets.py --workers 0 --buffer-size unlimited
     python -m torch.distributed.run --nproc_per_node=2 --master_addr=127.0.0.1 \\
         --master_port=29533 examples/token_buckets.py --workers 2 --distributed
+    python -m torch.distributed.run --nproc_per_node=2 --master_addr=127.0.0.1 \\
+        --master_port=29533 examples/token_buckets.py --workers 2 --distributed --central node
 
 It exits with status 1 if the resumed run differs from the uninterrupted one.
 """
@@ -111,6 +113,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--data", default=DATA_GLOB, help="corpus glob (default: examples/data)")
     parser.add_argument(
+        "--central",
+        choices=("process", "service", "node"),
+        default="process",
+        help="where the central stages run (default: this process; 'node': once per node, "
+        "shared by torchrun's local ranks)",
+    )
+    parser.add_argument(
         "--start-method",
         choices=("fork", "forkserver", "spawn"),
         default=None,
@@ -168,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     workers = cp.WorkerConfig(num_workers=args.workers, start_method=args.start_method)
     if "buffer_size" in vars(args):
         workers = attrs.evolve(workers, buffer_size=args.buffer_size)
-    config = cp.LoaderConfig(workers=workers, distributed=dist)
+    config = cp.LoaderConfig(workers=workers, distributed=dist, central=args.central)
     pipe = build_pipeline(args.data, args.max_tokens)
     # The bar's end. loader.total("pre_shard", weight=True) knows only an upper
     # bound here (the lines of the files): min_len=1 drops the blank ones, so

@@ -7,13 +7,17 @@ variables and a damaged token file. Two local ranks under torchrun:
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import centralpipe as cp
 from centralpipe.dispatch import nodeservice
+from centralpipe.dispatch.worker.loop import main_alive
+from examples.token_buckets import DATA_GLOB, collate_pad, tokenize
 
 N = 23
 
@@ -131,13 +135,11 @@ def test_two_ranks_states_resume_on_a_one_rank_node() -> None:
             "shard() to be the last central stage",
         ),
         (
-            lambda: (
-                cp.Pipeline.from_iterable(range(4)).map(square, parallel=True).shard().dispatch()
-            ),
-            "cannot share a parallel=True stage",
+            lambda: cp.Pipeline.from_iterable(range(4)).shard().shard().dispatch(),
+            "exactly one shard()",
         ),
     ],
-    ids=["no-shard", "stage-after-shard", "parallel-before-shard"],
+    ids=["no-shard", "stage-after-shard", "two-shards"],
 )
 def test_pipelines_node_mode_refuses(make: Any, message: str) -> None:
     """Pipelines node mode cannot run are a ``PipelineError`` saying why."""
@@ -188,3 +190,103 @@ def test_bad_token_files_are_refused(tmp_path: Path, setup: Any, message: str) -
     setup(path)
     with pytest.raises(cp.ServiceError, match=message):
         nodeservice.read_token(path, 0.2)
+
+
+def _seed(bucket_buffer: int = 64) -> cp.Pipeline:
+    """The seed pipeline on the bundled corpus, with a small bucket buffer so
+    that a checkpoint finds the parallel tokenizer's inputs in flight."""
+    return (
+        cp.Pipeline.from_files(DATA_GLOB)
+        .read_lines()
+        .map(tokenize, parallel=True)
+        .bucket_by_max_tokens(256, len_fn=len, buffer_size=bucket_buffer, min_len=1)
+        .count("pre_shard", weight_fn=len)
+        .shard(equalize="drop_last")
+        .dispatch()
+        .map(collate_pad)
+    )
+
+
+def _counted_twice() -> cp.Pipeline:
+    """A ``count`` before and after a parallel stage: both stamp each item."""
+    return (
+        cp.Pipeline.from_iterable(range(N))
+        .count("raw")
+        .map(square, parallel=True)
+        .filter(lambda x: x % 3 != 0)
+        .count("pre_shard")
+        .shard()
+        .dispatch()
+        .map(plus_one)
+    )
+
+
+def _same(a: list[Any], b: list[Any]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2, 3])
+def test_seed_pipeline_equals_process_mode(workers: int) -> None:
+    """The seed pipeline (parallel tokenizer before shard) gives in node mode
+    exactly the batches of process mode, at 0-3 workers."""
+    pipe = _seed()
+    with cp.Loader(pipe, _config("process", workers=workers)) as loader:
+        expected = list(loader)
+    with cp.Loader(pipe, _config("node", workers=workers)) as loader:
+        got = list(loader)
+    assert len(expected) > 100
+    assert _same(got, expected)
+
+
+@pytest.mark.parametrize(
+    "saved,resumed", [("node", "process"), ("process", "node"), ("node", "node")]
+)
+@pytest.mark.parametrize("step", [1, 40])
+def test_seed_pipeline_resumes_exactly_across_modes(saved: str, resumed: str, step: int) -> None:
+    """A node-mode state of the seed pipeline holds the tokenizer's in-flight
+    lines (as byte ranges), and resumes exactly in either mode."""
+    pipe = _seed()
+    with cp.Loader(pipe, _config("process")) as loader:
+        expected = list(loader)
+    with cp.Loader(pipe, _config(saved)) as loader:
+        it = iter(loader)
+        head = [next(it) for _ in range(step)]
+        state = loader.state_dict()
+    entry = state["in_flight"]["map_2"]
+    assert entry["items"] or entry.get("ranges"), "the tokenizer had nothing in flight"
+    with cp.Loader(pipe, _config(resumed)) as loader:
+        loader.load_state_dict(state)
+        assert _same(head + list(loader), expected)
+
+
+def test_counts_before_a_parallel_stage_are_stamped_exactly() -> None:
+    """With a ``count`` before the shared parallel stage and one after it,
+    node mode's outputs, delivered counts and resumed rest equal process mode's."""
+    pipe = _counted_twice()
+    seen: dict[str, Any] = {}
+    for mode in ("process", "node"):
+        with cp.Loader(pipe, _config(mode)) as loader:
+            it = iter(loader)
+            head = [next(it) for _ in range(4)]
+            queries = [loader.query(n, delivered=True) for n in ("raw", "pre_shard")]
+            state = loader.state_dict()
+        with cp.Loader(pipe, _config("process")) as loader:
+            loader.load_state_dict(state)
+            resumed = [loader.query(n, delivered=True) for n in ("raw", "pre_shard")]
+            seen[mode] = (head, queries, resumed, list(loader))
+    assert seen["node"] == seen["process"]
+    assert seen["node"][1][1] == {"items": 4, "weight": 4.0}
+
+
+def test_seed_pipeline_node_workers_end_with_close() -> None:
+    """The node-wide pool of the shared tokenizer is among the Loader's
+    worker pids, and it ends with the service when the Loader closes."""
+    with cp.Loader(_seed(), _config("node", workers=2)) as loader:
+        it = iter(loader)
+        assert isinstance(next(it), torch.Tensor)
+        pids = [loader._central.service_pid, *loader.worker_pids()]  # type: ignore[attr-defined]
+    assert len(pids) == 1 + 2 + 2  # the service, the rank's 2 and the tokenizer's 2
+    deadline = time.monotonic() + 10
+    while any(main_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [p for p in pids if main_alive(p)] == []

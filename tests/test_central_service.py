@@ -421,9 +421,16 @@ def test_a_service_that_does_not_start_in_time_is_stopped(
     saying so, and it is stopped (no process left)."""
     from centralpipe.dispatch import client
 
-    monkeypatch.setattr(client, "START_TIMEOUT_S", 1e-6)
-    with pytest.raises(cp.ServiceError, match=r"did not start within START_TIMEOUT_S=1e-06 s"):
+    # A service that never reports ready (forked: the child runs the patched
+    # target); a real one could be ready before even a 1e-6 s wait began.
+    monkeypatch.setattr(client, "serve", _never_ready)
+    monkeypatch.setattr(client, "START_TIMEOUT_S", 0.5)
+    with pytest.raises(cp.ServiceError, match=r"did not start within START_TIMEOUT_S=0.5 s"):
         cp.Loader(_pipe(), _config("service", num_workers=0))
+
+
+def _never_ready(*_args: Any) -> None:
+    time.sleep(60)
 
 
 def test_a_stage_that_fails_to_build_fails_the_loader() -> None:

@@ -43,6 +43,7 @@ def _resumed_lines(stdout: str) -> list[str]:
         pytest.param(["--workers", "2"], id="2workers"),
         pytest.param(["--workers", "0", "--buffer-size", "unlimited"], id="inline-unlimited"),
         pytest.param(["--workers", "2", "--buffer-size", "unlimited"], id="2workers-unlimited"),
+        pytest.param(["--workers", "2", "--central", "node"], id="2workers-node"),
     ],
 )
 def test_token_buckets_resumes_exactly(args: list[str], tmp_path: Path) -> None:

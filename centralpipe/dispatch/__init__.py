@@ -24,7 +24,10 @@ Main process, one pass of the Loader:
 - ``rendezvous`` finding and trusting a service: the private socket
   directory of the job, peer credentials, the token handshake.
 - ``node``      ``central="node"``: the stages before ``shard()`` shared by
-  a node's local ranks (their window, each rank's shard and checkpoint).
+  a node's local ranks (their window, each rank's shard, the node-local load).
+- ``noderank``  one local rank's central part in the node's service (its
+  dispatch stream, its per-rank state).
+- ``nodepool``  the shared stages' parallel streams on the node-wide pool.
 - ``nodeservice`` the node's service process and its clients (local rank 0
   starts it; the token file for the others).
 - ``boundary``  assembling a run of every stream (``Run``).

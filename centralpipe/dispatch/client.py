@@ -30,7 +30,7 @@ import attrs
 from centralpipe.config import LoaderConfig
 from centralpipe.dispatch import rendezvous
 from centralpipe.dispatch.pinning import Pinner, make_pinner
-from centralpipe.dispatch.service import serve
+from centralpipe.dispatch.service import serve, state_to_bytes
 from centralpipe.dispatch.wire import shm, transport
 from centralpipe.errors import PipelineError, ServiceError
 from centralpipe.plan.pipeline import Pipeline
@@ -308,7 +308,7 @@ class ServiceClient:
         return value
 
     def load(self, state_dict: dict[str, Any]) -> None:
-        self._epoch = self._call("load", state_dict)[1]
+        self._epoch = self._call("load", state_to_bytes(state_dict))[1]
 
     def query(self, name: str, *, delivered: bool = False) -> dict[str, Any]:
         value: dict[str, Any] = self._call("query", name, delivered)[1]

@@ -68,7 +68,7 @@ class LocalCentral:
         self._stamped = [node for node in self._nodes if node.stamped]
         flat = config.workers.flat_arrays
         self._chain = WorkerChain(pipeline.worker_stages, config.seed, flat)
-        self._segments = [n for n in self._nodes if isinstance(n, Parallel)]
+        self._segments = [n for n in self._driven_nodes() if isinstance(n, Parallel)]
         self._segment_chains = [WorkerChain([n.spec], config.seed, flat) for n in self._segments]
         self._check_picklable()
         self.epoch = 0
@@ -92,6 +92,11 @@ class LocalCentral:
         """The central nodes, source first (``central="node"`` shares the
         ones before ``shard()`` between local ranks)."""
         return build_central(pipeline.central_stages, self._ctx)
+
+    def _driven_nodes(self) -> list[Any]:
+        """The central nodes whose streams this part's runs drive: all (in
+        ``central="node"`` the node drives the shared stages' parallel streams)."""
+        return self._nodes
 
     @property
     def _boundary(self) -> str:
@@ -189,7 +194,7 @@ class LocalCentral:
         if pooled:
             self._run_ids += 1
         return Run(
-            nodes=self._nodes,
+            nodes=self._driven_nodes(),
             chain=self._chain,
             segment_chains=self._segment_chains,
             epoch=epoch,

@@ -22,9 +22,11 @@ Finding the service, its process and the clients are in
   shard would in ``central="process"``; node ``n``'s local rank ``l`` is
   global rank ``n * W + l``;
 - each local rank has its own dispatch stream and checkpoint (a
-  :class:`RankCentral`, a :class:`~centralpipe.dispatch.local.LocalCentral`
-  over the shared stages): ``num_workers`` is the node's, split evenly
-  between the local ranks;
+  :class:`~centralpipe.dispatch.noderank.RankCentral`, a
+  :class:`~centralpipe.dispatch.local.LocalCentral` over the shared
+  stages): ``num_workers`` is the node's, split evenly between the local
+  ranks (the shared parallel stages have the node's ``num_workers`` to
+  themselves);
 - a rank's ``state_dict()`` is today's per-rank format: the shared stages'
   states at the window's head, its shard there, and the items of its rank
   between its shard's position and the head as the dispatch boundary's
@@ -42,9 +44,13 @@ Finding the service, its process and the clients are in
   a killed service is one on every rank at once (the connection ends). The
   service ends when its last client closes or dies.
 
+A ``parallel=True`` stage among the shared stages (the seed pipeline's
+tokenizer) runs once per node too, on the node-wide worker pool of
+:mod:`centralpipe.dispatch.nodepool`; its in-flight inputs at the head are
+part of every rank's state, as its stream's entry is in ``central="process"``.
+
 Node mode needs ``shard()`` as the last central stage, right before
-``dispatch()``, and no ``parallel=True`` stage before it (its worker stream
-would be one rank's); other pipelines are a ``PipelineError`` naming why.
+``dispatch()``; other pipelines are a ``PipelineError`` naming why.
 """
 
 from __future__ import annotations
@@ -54,13 +60,14 @@ import time
 from collections import deque
 from typing import Any
 
-from centralpipe import checkpoint, resume
+from centralpipe import resume
 from centralpipe.config import LoaderConfig
-from centralpipe.dispatch.local import LocalCentral
+from centralpipe.dispatch.boundary import empty_segment_entry
+from centralpipe.dispatch.nodepool import SharedSegments
 from centralpipe.dispatch.worker.loop import main_alive
 from centralpipe.errors import CheckpointError, PipelineError, ServiceError
 from centralpipe.plan.pipeline import Pipeline
-from centralpipe.stages import Count, Parallel, RunContext, Shard, build_central
+from centralpipe.stages import Count, RunContext, Shard, build_central
 from centralpipe.stages.base import CentralNode
 
 __all__ = [
@@ -68,7 +75,6 @@ __all__ = [
     "WINDOW_ITEMS",
     "NodeShard",
     "NodeStream",
-    "RankCentral",
     "check_node_pipeline",
 ]
 
@@ -121,6 +127,8 @@ class _Window:
         #: The shared stages' states at the end of the epoch (kept for the
         #: ranks still delivering it once the node moved on).
         self.end_states: dict[str, Any] | None = None
+        #: The shared parallel stages' in-flight entries then (none in flight).
+        self.end_segments: dict[str, Any] | None = None
 
     def get(self, n: int, reader: NodeShard, produce: bool = True) -> Any:
         while n >= self.head:
@@ -226,22 +234,19 @@ class NodeStream:
             world_size=config.distributed.world_size,
         )
         self.nodes: list[CentralNode[Any]] = build_central(specs[:-1], self.ctx)
-        if any(isinstance(n, Parallel) for n in self.nodes):
-            raise PipelineError(
-                "central='node' cannot share a parallel=True stage before shard() between "
-                "ranks (its worker stream would be one rank's): drop parallel=True there, or "
-                "use central='service'."
-            )
         for node in self.nodes:
             node.prepare()
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
+        #: The parallel stages among the shared ones, on the node-wide pool.
+        self.segments = SharedSegments(self.nodes, config, self.lock)
+        self._boundary = pipeline.dispatch_name or "dispatch"
         #: The shared stages' states before the first epoch (a rank's state
         #: before it iterates).
         self.fresh_states = {n.name: n.own_state() for n in self.nodes}
         self.counts = [n for n in self.nodes if isinstance(n, Count)]
         self.shard_spec = specs[-1]
         self.local_world = local_world
-        self.lock = threading.RLock()
-        self.cond = threading.Condition(self.lock)
         self.epoch = 0
         self.window = _Window(self, 0, 0)
         self.shards: list[NodeShard | None] = [None] * local_world
@@ -313,10 +318,10 @@ class NodeStream:
             item = self.nodes[-1].next()
         except StopIteration:
             window.ended = True
-            window.end_states = {n.name: n.own_state() for n in self.nodes}
+            window.end_states, window.end_segments = self._capture()
             self.cond.notify_all()
             return
-        window.items.append((item, tuple((c.items, c.weight) for c in self.counts)))
+        window.items.append((item, self._stamp()))
         window.head += 1
 
     def moved(self, window: _Window) -> None:
@@ -351,6 +356,7 @@ class NodeStream:
                             self.nodes[-1].load_flat(None)
                             self.epoch = epoch
                             self.window = _Window(self, epoch, 0)
+                            self.segments.start(epoch, {})
                             self.cond.notify_all()
                             break
                         left = deadline - time.monotonic()
@@ -368,13 +374,31 @@ class NodeStream:
 
     # -- checkpoints --------------------------------------------------------------
 
-    def shared_states(self, shard: NodeShard) -> dict[str, Any]:
+    def shared_state(self, shard: NodeShard) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The shared stages' states at ``shard``'s window's head and the
+        in-flight entries of the parallel stages among them (the caller
+        holds the lock)."""
         window = shard.window
         if window is None:
-            return dict(self.fresh_states)
+            empty = {n.name: empty_segment_entry() for n in self.segments.segments}
+            return dict(self.fresh_states), empty
         if window is not self.window and window.end_states is not None:
-            return dict(window.end_states)
-        return {n.name: n.own_state() for n in self.nodes}
+            return dict(window.end_states), dict(window.end_segments or {})
+        return self._capture()
+
+    def _capture(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        captured = self.segments.capture()
+        if captured is not None:
+            return captured
+        empty = {n.name: empty_segment_entry() for n in self.segments.segments}
+        return {n.name: n.own_state() for n in self.nodes}, empty
+
+    def _stamp(self) -> tuple[tuple[int, float], ...]:
+        """The ``count`` totals the item just out of the shared stages leaves
+        with (through a parallel stage, as ``central="process"`` stamps it)."""
+        if not self.segments.segments:
+            return tuple((c.items, c.weight) for c in self.counts)
+        return tuple(tuple(x) for x in self.segments.stamper() or ())
 
     def exchange_load(
         self, local_rank: int, state: dict[str, Any] | BaseException
@@ -438,6 +462,8 @@ class NodeStream:
         start = int(shard.get("source_index", shard["index"]))
         self.epoch = merged["epoch"]
         self.window = _Window(self, self.epoch, start)
+        readers = resume.readers(self.nodes)
+        self.segments.start(self.epoch, resume.plans(merged, self._boundary, readers))
         return merged
 
     def mark_gone(self, local_rank: int, clean: bool) -> None:
@@ -452,79 +478,8 @@ class NodeStream:
             self.cond.notify_all()
 
     def release(self) -> None:
+        """End the shared parallel streams and their pool; close the files."""
+        with self.lock:
+            self.segments.close()
         if self.nodes:
             self.nodes[-1].release()
-
-
-class RankCentral(LocalCentral):
-    """One local rank's central part inside the node service."""
-
-    def __init__(
-        self, pipeline: Pipeline, config: LoaderConfig, stream: NodeStream, local_rank: int
-    ) -> None:
-        self._stream = stream
-        self._local = local_rank
-        super().__init__(pipeline, config)
-        # One lock for every rank: their feeders share the stages before shard().
-        self._res.chain_lock = stream.lock
-        self._res.nodes = [self._nodes[-1]]
-
-    def _build_nodes(self, pipeline: Pipeline) -> list[Any]:
-        spec = self._stream.shard_spec
-        shard = NodeShard(self._stream, self._local, spec.options["equalize"], spec.name, self._ctx)
-        self._stream.shards[self._local] = shard
-        return [*self._stream.nodes, shard]
-
-    def _state(self, what: str) -> dict[str, Any]:
-        if self._resume is not None:
-            return resume.copy_state(self._resume)
-        stream, shard = self._stream, self._nodes[-1]
-        with stream.lock:
-            run = self._res.run
-            if run is not None:
-                body = run.capture(what)
-                epoch = run.stream.epoch
-            else:
-                body = resume.idle_body([], self._nodes)
-                epoch = self.epoch
-            state, items, stamps = shard.ahead()
-            body["central"] = {**stream.shared_states(shard), shard.name: state}
-        flight = body["in_flight"]
-        # A feeder waiting for a stalled rank (NodeStream.advance) let go of
-        # the chain lock inside its pull: its chunk's items are in flight
-        # already, their seq numbers not yet counted.
-        body["next_seq"] = max(body["next_seq"], flight["first_seq"] + len(flight["items"]))
-        if items:
-            flight["items"] = [*flight["items"], *items]
-            if flight.get("stamps") is not None:
-                flight["stamps"] = [*flight["stamps"], *stamps]
-            if not flight["items"][: -len(items)]:
-                flight["first_seq"] = body["next_seq"]
-            body["next_seq"] += len(items)
-        dist = self._config.distributed
-        return resume.assemble(
-            body,
-            fingerprint=self._pipe.fingerprint(),
-            seed=self._config.seed,
-            epoch=epoch,
-            rank=dist.rank,
-            world_size=dist.world_size,
-            boundary=self._boundary,
-            stamped=self._stamped,
-        )
-
-    def load(self, state_dict: dict[str, Any]) -> None:
-        """Every local rank loads its own state; the node resumes from their merge."""
-        self._res.end_run()
-        try:
-            ckpt = checkpoint.structure(state_dict)
-            checkpoint.check_pipeline(ckpt, self._expected())
-            mine: dict[str, Any] | BaseException = state_dict
-        except Exception as exc:
-            mine = exc
-        merged = self._stream.exchange_load(self._local, mine)
-        if isinstance(mine, BaseException):
-            raise mine
-        sd = resume.copy_state(merged)
-        with self._stream.lock:
-            self._restore(sd)

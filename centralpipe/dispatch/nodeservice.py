@@ -34,7 +34,8 @@ from centralpipe.config import DistributedConfig, LoaderConfig
 from centralpipe.dispatch import node, rendezvous
 from centralpipe.dispatch.client import START_TIMEOUT_S, Link, ServiceClient, shutdown
 from centralpipe.dispatch.local import LocalCentral
-from centralpipe.dispatch.node import NodeStream, RankCentral, check_node_pipeline
+from centralpipe.dispatch.node import NodeStream, check_node_pipeline
+from centralpipe.dispatch.noderank import RankCentral
 from centralpipe.dispatch.pinning import make_pinner
 from centralpipe.dispatch.service import ACCEPT_TIMEOUT_S, WATCHDOG_S, Server
 from centralpipe.dispatch.wire import shm

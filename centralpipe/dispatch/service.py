@@ -35,6 +35,7 @@ surface as ``LocalCentral``: each call is one request and one reply.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import signal
 import threading
@@ -42,6 +43,8 @@ import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
+
+import torch
 
 from centralpipe.config import LoaderConfig
 from centralpipe.dispatch import rendezvous
@@ -198,7 +201,7 @@ class Server:
                 self._outputs = None
                 central.stop()
             elif op == "load":
-                central.load(args[0])
+                central.load(state_from_bytes(args[0]))
                 value = central.epoch
             elif op == "set_next_epoch":
                 self._outputs = None
@@ -226,6 +229,23 @@ class Server:
             )
             msg = transport.dumps(("err", err))
         transport.write(self._conn, msg, self._ring)
+
+
+def state_to_bytes(state_dict: Any) -> bytes:
+    """A state as ``load`` requests carry it: ``torch.save``'s bytes. A
+    connection's own pickling would share its tensors through file
+    descriptors, which only a process of this one's family may fetch (another
+    local rank of ``central="node"`` is refused), and plain pickle cannot
+    write ``uint16`` tensors (compact token data)."""
+    buf = io.BytesIO()
+    torch.save(state_dict, buf)
+    return buf.getvalue()
+
+
+def state_from_bytes(data: bytes) -> Any:
+    """The state :func:`state_to_bytes` wrote (from an authenticated client of
+    this user: its in-flight items may be any picklable objects)."""
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 _READS = ("state", "total", "length", "worker_states")

@@ -1,0 +1,118 @@
+"""``central="node"``: one local rank's central part inside the node service.
+
+A :class:`RankCentral` is a :class:`~centralpipe.dispatch.local.LocalCentral`
+whose central nodes are the node's shared stages (:class:`~centralpipe.dispatch.node.NodeStream`)
+and the rank's own :class:`~centralpipe.dispatch.node.NodeShard`: its runs
+drive its dispatch stream over its share of the workers, under the node's one
+chain lock; the shared parallel stages' streams are the node's
+(:mod:`centralpipe.dispatch.nodepool`). Its ``state_dict()`` is today's
+per-rank format (the design is in :mod:`centralpipe.dispatch.node`), and its
+``load_state_dict()`` waits for every local rank's state and resumes from
+their merge.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from centralpipe import checkpoint, resume
+from centralpipe.checkpoint import compact
+from centralpipe.config import LoaderConfig
+from centralpipe.dispatch.local import LocalCentral
+from centralpipe.dispatch.node import NodeShard, NodeStream
+from centralpipe.plan.pipeline import Pipeline
+from centralpipe.stages import Parallel
+
+__all__ = ["RankCentral"]
+
+
+def _add_ahead(body: dict[str, Any], items: list[Any], stamps: list[Any]) -> None:
+    """The items of a rank between its shard's position and the head, after
+    the ones its dispatch stream has in flight (``body``, a run's capture)."""
+    flight = body["in_flight"]
+    had = compact.decode_items(flight["items"])  # compact when they are token arrays
+    # A feeder waiting for a stalled rank (NodeStream.advance) let go of the
+    # chain lock inside its pull: its chunk's items are in flight already,
+    # their seq numbers not yet counted.
+    body["next_seq"] = max(body["next_seq"], flight["first_seq"] + len(had))
+    if not items:
+        return
+    flight["items"] = compact.encode_items([*had, *items])
+    if flight.get("stamps") is not None:
+        flight["stamps"] = [*flight["stamps"], *stamps]
+    if not had:
+        flight["first_seq"] = body["next_seq"]
+    body["next_seq"] += len(items)
+
+
+class RankCentral(LocalCentral):
+    """One local rank's central part inside the node service."""
+
+    def __init__(
+        self, pipeline: Pipeline, config: LoaderConfig, stream: NodeStream, local_rank: int
+    ) -> None:
+        self._stream = stream
+        self._local = local_rank
+        super().__init__(pipeline, config)
+        # One lock for every rank: their feeders share the stages before shard().
+        self._res.chain_lock = stream.lock
+        self._res.nodes = [self._nodes[-1]]
+
+    def _driven_nodes(self) -> list[Any]:
+        # The shared parallel stages' streams are the node's (NodeStream.segments).
+        return [n for n in self._nodes if not isinstance(n, Parallel)]
+
+    def _build_nodes(self, pipeline: Pipeline) -> list[Any]:
+        spec = self._stream.shard_spec
+        shard = NodeShard(self._stream, self._local, spec.options["equalize"], spec.name, self._ctx)
+        self._stream.shards[self._local] = shard
+        return [*self._stream.nodes, shard]
+
+    def _state(self, what: str) -> dict[str, Any]:
+        if self._resume is not None:
+            return resume.copy_state(self._resume)
+        stream, shard = self._stream, self._nodes[-1]
+        with stream.lock:
+            run = self._res.run
+            if run is not None:
+                body = run.capture(what)
+                epoch = run.stream.epoch
+            else:
+                body = resume.idle_body([], self._nodes)
+                epoch = self.epoch
+            state, items, stamps = shard.ahead()
+            shared, body["segments"] = stream.shared_state(shard)
+            body["central"] = {**shared, shard.name: state}
+        _add_ahead(body, items, stamps)
+        dist = self._config.distributed
+        return resume.assemble(
+            body,
+            fingerprint=self._pipe.fingerprint(),
+            seed=self._config.seed,
+            epoch=epoch,
+            rank=dist.rank,
+            world_size=dist.world_size,
+            boundary=self._boundary,
+            stamped=self._stamped,
+        )
+
+    def worker_pids(self) -> list[int]:
+        """This rank's workers, then the node-wide pool of the shared parallel stages."""
+        # No lock (never waits): the pool attribute is read once.
+        return [*super().worker_pids(), *self._stream.segments.worker_pids()]
+
+    def load(self, state_dict: dict[str, Any]) -> None:
+        """Every local rank loads its own state; the node resumes from their merge."""
+        self._res.end_run()
+        try:
+            ckpt = checkpoint.structure(state_dict)
+            checkpoint.check_pipeline(ckpt, self._expected())
+            mine: dict[str, Any] | BaseException = state_dict
+        except Exception as exc:
+            mine = exc
+        merged = self._stream.exchange_load(self._local, mine)
+        if isinstance(mine, BaseException):
+            raise mine
+        sd = resume.copy_state(merged)
+        with self._stream.lock:
+            self._restore(sd)

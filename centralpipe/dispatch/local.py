@@ -15,9 +15,11 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from centralpipe import checkpoint, metrics, resume
+from centralpipe import checkpoint, metrics
+from centralpipe.checkpoint import resume
+from centralpipe.checkpoint.resume import Pending
 from centralpipe.config import LoaderConfig
-from centralpipe.dispatch.boundary import Policy, Run, StreamPlan, WarmStart, idle_worker_states
+from centralpipe.dispatch.boundary import Policy, Run, WarmStart, idle_worker_states
 from centralpipe.dispatch.executors.pool import Executor
 from centralpipe.dispatch.executors.preload import server_preload
 from centralpipe.dispatch.executors.procpool import ProcessPool, warm_up
@@ -76,7 +78,7 @@ class LocalCentral:
         self._segment_stats = {
             n.name: StreamStats(config.workers.num_workers) for n in self._segments
         }
-        self._resume: dict[str, Any] | None = None
+        self._resume: Pending | None = None
         #: The pending checkpoint's central states are not loaded yet.
         self._reload = False
         self._run_ids = 0
@@ -125,22 +127,17 @@ class LocalCentral:
         pending, epoch_before = self._resume, self.epoch
         with hold(res.chain_lock, "starting a pass", self._nodes):
             if pending is not None and self._reload:
-                self._nodes[-1].load_flat(dict(pending["central"]))
+                self._nodes[-1].load_flat(dict(pending.ckpt.central))
                 self._reload = False
-            if pending is not None and not pending["finished"]:
+            if pending is not None and not pending.ckpt.finished:
                 epoch = self.epoch
-                run = self._make_run(
-                    epoch=epoch,
-                    plans=resume.plans(pending, self._boundary, resume.readers(self._nodes)),
-                    delivered=resume.delivered(pending),
-                    skipped=resume.skipped(pending, self._boundary),
-                )
+                run = self._make_run(epoch=epoch, ckpt=pending.ckpt)
             else:
                 epoch = self.epoch + 1
                 self._ctx.epoch = epoch
                 try:
                     self._nodes[-1].load_flat(None)
-                    run = self._make_run(epoch=epoch, plans={})
+                    run = self._make_run(epoch=epoch, ckpt=None)
                 except BaseException:
                     self._ctx.epoch = epoch_before
                     raise
@@ -154,9 +151,9 @@ class LocalCentral:
             if pending is not None:
                 # The central stages go back to the checkpoint's position.
                 with hold(res.chain_lock, "restoring after a failed start", self._nodes):
-                    self._nodes[-1].load_flat(dict(pending["central"]))
+                    self._nodes[-1].load_flat(dict(pending.ckpt.central))
             raise
-        if pending is None or pending["finished"]:
+        if pending is None or pending.ckpt.finished:
             self._stats.epoch_restarts = 0
         return run
 
@@ -172,9 +169,7 @@ class LocalCentral:
         self._resume = None
         self.epoch = epoch - 1
 
-    def _make_run(
-        self, *, epoch: int, plans: dict[str, StreamPlan], delivered: int = 0, skipped: int = 0
-    ) -> Run:
+    def _make_run(self, *, epoch: int, ckpt: checkpoint.Checkpoint | None) -> Run:
         w = self._config.workers
         policy = Policy(
             timeout_s=w.timeout_s,
@@ -193,7 +188,7 @@ class LocalCentral:
             chain=self._chain,
             segment_chains=self._segment_chains,
             epoch=epoch,
-            plans=plans,
+            resume=ckpt,
             buffer_size=w.buffer_size,
             chunk_size=w.chunk_size,
             policy=policy,
@@ -202,8 +197,6 @@ class LocalCentral:
             dispatch_name=self._boundary,
             executor=executor,
             run_id=self._run_ids,
-            delivered=delivered,
-            skipped=skipped,
             pinner=self._res.pinner,
             chain_lock=self._res.chain_lock,
             warm=warm,
@@ -344,14 +337,14 @@ class LocalCentral:
 
     def _state(self, what: str) -> dict[str, Any]:
         if self._resume is not None:
-            return resume.copy_state(self._resume)
+            return self._resume.state()
         run = self._res.run
         if run is not None:
             body = run.capture(what)
             epoch = run.stream.epoch
         else:
             with hold(self._res.chain_lock, what, self._nodes):
-                body = resume.idle_body([n.name for n in self._segments], self._nodes)
+                body = resume.idle([n.name for n in self._segments], self._nodes)
             epoch = self.epoch
         dist = self._config.distributed
         return resume.assemble(
@@ -381,25 +374,26 @@ class LocalCentral:
             with hold(self._res.chain_lock, "load_state_dict()", self._nodes):
                 entered = True
                 try:
-                    self._restore(resume.copy_state(state_dict))
+                    self._restore(resume.pending(state_dict, ckpt))
                 except BaseException:
                     self._resume = None
-                    self._restore(before)
+                    self._restore(resume.pending(before))
                     raise
         except TimeoutError:
             if entered:
                 raise
             # The stopped run's feeder is still inside a central next(): keep
             # the position as it was; the stages are restored at the next start.
-            self._resume, self._reload = before, True
+            self._resume, self._reload = resume.pending(before), True
             raise
 
-    def _restore(self, sd: dict[str, Any]) -> None:
-        self._ctx.epoch = sd["epoch"]
-        self._nodes[-1].load_flat(dict(sd["central"]))
-        self.epoch = sd["epoch"]
+    def _restore(self, pending: Pending) -> None:
+        ckpt = pending.ckpt
+        self._ctx.epoch = ckpt.epoch
+        self._nodes[-1].load_flat(dict(ckpt.central))
+        self.epoch = ckpt.epoch
         self._stats.epoch_restarts = 0
-        self._resume = sd
+        self._resume = pending
 
     def _expected(self) -> checkpoint.Expected:
         dist = self._config.distributed
@@ -442,8 +436,8 @@ class LocalCentral:
             if run is not None:
                 stamp = run.delivered_stamp()
                 stamped = run.stamped_nodes()
-            elif self._resume is not None and self._resume.get("delivered_stamp") is not None:
-                stamp = self._resume["delivered_stamp"]
+            elif self._resume is not None and self._resume.ckpt.delivered_stamp is not None:
+                stamp = self._resume.ckpt.delivered_stamp
                 stamped = self._stamped
             else:
                 return node.query_state()

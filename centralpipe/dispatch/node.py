@@ -54,7 +54,8 @@ import time
 from collections import deque
 from typing import Any
 
-from centralpipe import checkpoint, resume
+from centralpipe import checkpoint
+from centralpipe.checkpoint import resume
 from centralpipe.config import LoaderConfig
 from centralpipe.dispatch.local import LocalCentral
 from centralpipe.dispatch.worker.loop import main_alive
@@ -477,7 +478,7 @@ class RankCentral(LocalCentral):
 
     def _state(self, what: str) -> dict[str, Any]:
         if self._resume is not None:
-            return resume.copy_state(self._resume)
+            return self._resume.state()
         stream, shard = self._stream, self._nodes[-1]
         with stream.lock:
             run = self._res.run
@@ -485,22 +486,15 @@ class RankCentral(LocalCentral):
                 body = run.capture(what)
                 epoch = run.stream.epoch
             else:
-                body = resume.idle_body([], self._nodes)
+                body = resume.idle([], self._nodes)
                 epoch = self.epoch
             state, items, stamps = shard.ahead()
-            body["central"] = {**stream.shared_states(shard), shard.name: state}
-        flight = body["in_flight"]
+            body.central = {**stream.shared_states(shard), shard.name: state}
         # A feeder waiting for a stalled rank (NodeStream.advance) let go of
         # the chain lock inside its pull: its chunk's items are in flight
         # already, their seq numbers not yet counted.
-        body["next_seq"] = max(body["next_seq"], flight["first_seq"] + len(flight["items"]))
-        if items:
-            flight["items"] = [*flight["items"], *items]
-            if flight.get("stamps") is not None:
-                flight["stamps"] = [*flight["stamps"], *stamps]
-            if not flight["items"][: -len(items)]:
-                flight["first_seq"] = body["next_seq"]
-            body["next_seq"] += len(items)
+        body.count_seqs()
+        body.extend(items, stamps)
         dist = self._config.distributed
         return resume.assemble(
             body,
@@ -525,6 +519,6 @@ class RankCentral(LocalCentral):
         merged = self._stream.exchange_load(self._local, mine)
         if isinstance(mine, BaseException):
             raise mine
-        sd = resume.copy_state(merged)
+        pending = resume.pending(merged)
         with self._stream.lock:
-            self._restore(sd)
+            self._restore(pending)

@@ -31,9 +31,20 @@ it from a wire dict with cattrs, checking every type and range (errors name the
 key path, what was expected and what was got). Each stage kind declares its own
 state class (``CentralNode.State``); :func:`check_pipeline` (in
 :mod:`centralpipe.checkpoint.fit`) then checks the checkpoint against the
-pipeline it is loaded into. ``Loader.state_dict()``
-writes the wire dict directly (it is taken every few steps and must stay
-cheap); a test pins that it always structures into this model.
+pipeline it is loaded into.
+
+This module is the only one that spells the layout (a test pins it):
+
+- writers: ``Loader.state_dict()`` is taken every few steps, so it builds the
+  wire dict directly, with no cattrs round trip: each stream's entry with
+  :func:`entry_wire`, the whole checkpoint with :meth:`Captured.wire`; a
+  global state with :func:`merged_wire`. Tests pin that what they write
+  structures into this model.
+- readers: a load structures the dict once; resume (a stream is handed its
+  :class:`Boundary`), ``merge_states`` and ``inspect`` (:class:`Outline`)
+  read the typed objects. The few facts read from a wire dict that is not
+  structured (a damaged one for ``inspect``, a count for a benchmark) are
+  read here too.
 """
 
 from __future__ import annotations
@@ -137,7 +148,13 @@ def _decoded_items(value: Any) -> list[Any]:
 @attrs.frozen(kw_only=True)
 class Boundary:
     """The inputs sent across one boundary (e.g. ``dispatch``) and not yet
-    delivered, oldest first: ``items[i]`` has seq ``first_seq + i``."""
+    delivered, oldest first: ``items[i]`` has seq ``first_seq + i``.
+
+    The one model of an in-flight entry: checked here, handed as is to the
+    stream that resumes it, and written by :func:`entry_wire`. What a stream
+    makes of it, its queue of inputs still to re-send
+    (``dispatch.reorder.Stream._resume``, consumed as chunks are pulled), is
+    another thing: that stream's progress, not the checkpoint."""
 
     next_seq: int = attrs.field(validator=count())
     first_seq: int = attrs.field(validator=count())

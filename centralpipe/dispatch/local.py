@@ -363,9 +363,13 @@ class LocalCentral:
         then this pipeline); on any error nothing has changed."""
         ckpt = checkpoint.structure(state_dict)
         checkpoint.check_pipeline(ckpt, self._expected())
+        loaded = resume.pending(state_dict, ckpt)
         # Valid: from here on the loader changes. A stage whose restore still
-        # fails (a re-iterable that got shorter, a user's node) rolls back.
-        before = self._state("load_state_dict()")
+        # fails (a re-iterable that got shorter, a user's node) rolls back to
+        # ``before``, made whole first: the failure path only restores.
+        before = self._resume
+        if before is None:
+            before = resume.pending(self._state("load_state_dict()"))
         self._res.end_run()
         # A `with`: no point between taking the chain lock and guarding its
         # release where an interrupt (Ctrl-C) could land.
@@ -374,17 +378,17 @@ class LocalCentral:
             with hold(self._res.chain_lock, "load_state_dict()", self._nodes):
                 entered = True
                 try:
-                    self._restore(resume.pending(state_dict, ckpt))
+                    self._restore(loaded)
                 except BaseException:
                     self._resume = None
-                    self._restore(resume.pending(before))
+                    self._restore(before)
                     raise
         except TimeoutError:
             if entered:
                 raise
             # The stopped run's feeder is still inside a central next(): keep
             # the position as it was; the stages are restored at the next start.
-            self._resume, self._reload = resume.pending(before), True
+            self._resume, self._reload = before, True
             raise
 
     def _restore(self, pending: Pending) -> None:

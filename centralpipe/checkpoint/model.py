@@ -55,7 +55,7 @@ from typing import Any, TypeVar
 import attrs
 import cattrs
 from attrs import validators as v
-from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn
+from cattrs.gen import make_dict_structure_fn
 
 from centralpipe.checkpoint import compact
 from centralpipe.checkpoint.values import (
@@ -283,11 +283,6 @@ class Checkpoint:
             return self.position.skipped
         return max(0, self.in_flight[tip].first_seq - self.position.delivered)
 
-    def to_wire(self) -> dict[str, Any]:
-        """The wire dict of this checkpoint (in-flight items decoded)."""
-        out: dict[str, Any] = _CONVERTER.unstructure(self)
-        return out
-
 
 # -- cattrs: wire dict <-> model ---------------------------------------------------------
 
@@ -329,15 +324,8 @@ def _make_converter() -> cattrs.Converter:
     conv.register_unstructure_hook_func(
         lambda tp: not attrs.has(tp) and tp != dict[str, Boundary], lambda value: value
     )
-    boundary = make_dict_unstructure_fn(Boundary, conv)
-
-    def boundary_wire(value: Boundary) -> dict[str, Any]:
-        out: dict[str, Any] = boundary(value)
-        if not out["ranges"]:
-            del out["ranges"]  # present only when some lines are in flight as ranges
-        return out
-
-    conv.register_unstructure_hook(Boundary, boundary_wire)
+    # One writer of an entry: the fast path's (ranges present only when some are).
+    conv.register_unstructure_hook(Boundary, Boundary.to_wire)
     return conv
 
 

@@ -33,7 +33,7 @@ OTHER_LAYOUTS = {
 
 def _docstrings(tree: ast.AST) -> set[int]:
     """``id``s of the docstring constants of ``tree`` (module, classes, functions)."""
-    out = set()
+    out: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             body = node.body
@@ -44,7 +44,7 @@ def _docstrings(tree: ast.AST) -> set[int]:
 
 def _slots(tree: ast.AST) -> set[int]:
     """``id``s of the strings in ``__slots__`` (attribute names, not keys)."""
-    out = set()
+    out: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "__slots__" for t in node.targets
@@ -90,7 +90,7 @@ def _arrays() -> list[Any]:
     return [np.arange(n, dtype=np.int32) for n in (3, 1, 4)]
 
 
-ENTRIES = {
+ENTRIES: dict[str, dict[str, Any]] = {
     "empty": dict(next_seq=0, first_seq=0, items=[], stamps=None, skip_outputs=0, skip=[]),
     "plain": dict(next_seq=7, first_seq=4, items=[4, 5, 6], stamps=None, skip_outputs=0, skip=[]),
     "count-stamps": dict(

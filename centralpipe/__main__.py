@@ -4,7 +4,8 @@
   ``state_dict()`` latency (:mod:`centralpipe.tools.bench`); prints markdown.
 - ``inspect PATH``: a readable summary of a checkpoint saved with ``torch.save``,
   checked against the checkpoint model; loads with ``weights_only=True`` unless
-  ``--unsafe-load`` is given for a trusted file.
+  ``--unsafe-load`` is given for a trusted file
+  (:mod:`centralpipe.checkpoint.inspect`).
 - ``soak``: long-running robustness run (:mod:`centralpipe.tools.soak`); its options
   are its own, passed through unchanged.
 """
@@ -20,8 +21,6 @@ from typing import Any
 
 __all__ = ["main"]
 
-#: A value whose repr is at most this long is printed as is; longer ones are summarised.
-SMALL_REPR = 60
 PROG = "python -m centralpipe"
 
 
@@ -126,167 +125,16 @@ def _soak(argv: list[str]) -> int:
 
 
 def _inspect(path: str, *, unsafe_load: bool) -> int:
-    import torch
+    from centralpipe.checkpoint import inspect
 
-    if not os.path.isfile(path):
-        print(f"{PROG} inspect: no such file: {path}", file=sys.stderr)
-        return 1
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=not unsafe_load)
-    except Exception as exc:
-        hint = (
-            ""
-            if unsafe_load
-            else " If the file is yours and holds items of your own classes, it needs pickle: "
-            "rerun with --unsafe-load (it runs code from the file; only for files you trust)."
-        )
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        print(
-            f"{PROG} inspect: cannot load {path}: {type(exc).__name__}: {first}{hint}",
-            file=sys.stderr,
-        )
-        return 1
-    sd, where = _find_state(obj)
-    if sd is None:
-        keys = ", ".join(repr(k) for k in list(obj)[:10]) if isinstance(obj, Mapping) else ""
-        print(
-            f"{PROG} inspect: {path} holds no centralpipe checkpoint (a dict with "
-            f"'format_version'); found {type(obj).__name__}"
-            + (f" with keys {keys}" if keys else "")
-            + ". Save one with torch.save(loader.state_dict(), path).",
-            file=sys.stderr,
-        )
-        return 1
-    text, problem = summarize_checked(sd, source=f"{path} ({_size(os.path.getsize(path))})" + where)
-    print(text)
-    if problem:
-        print(f"{PROG} inspect: {problem}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _find_state(obj: Any) -> tuple[Mapping[str, Any] | None, str]:
-    """The checkpoint dict itself, or one nested (once) inside a bigger dict."""
-    if isinstance(obj, Mapping):
-        if "format_version" in obj:
-            return obj, ""
-        for key, value in obj.items():
-            if isinstance(value, Mapping) and "format_version" in value:
-                return value, f", under key {key!r}"
-    return None, ""
+    return inspect.run(path, unsafe_load=unsafe_load, prog=PROG)
 
 
 def summarize_checked(sd: Mapping[str, Any], *, source: str = "") -> tuple[str, str]:
-    """The summary of ``sd`` and, when it does not pass the checkpoint model
-    (:mod:`centralpipe.checkpoint`), the reason (else ``""``)."""
-    from centralpipe import checkpoint
-    from centralpipe.errors import CheckpointError
-    from centralpipe.stages import NODE_CLASSES
+    """:func:`centralpipe.checkpoint.inspect.summarize_checked`."""
+    from centralpipe.checkpoint import inspect
 
-    try:
-        ckpt = checkpoint.structure(sd)
-        for name, kind in ckpt.fingerprint:
-            cls = getattr(NODE_CLASSES.get(kind), "State", None)
-            if cls is not None and name in ckpt.central:
-                checkpoint.structure_state(ckpt.central[name], cls, name)
-    except CheckpointError as exc:
-        return summarize(sd, source=source), str(exc)
-    return summarize(sd, source=source), ""
-
-
-def summarize(sd: Mapping[str, Any], *, source: str = "") -> str:
-    """A readable, line-per-fact summary of a checkpoint dict (damaged ones too)."""
-    lines = [f"centralpipe checkpoint{': ' + source if source else ''}"]
-    add = lines.append
-    add(f"  format_version: {sd.get('format_version')!r}")
-    finished = sd.get("finished")
-    state = "finished" if finished else "in progress" if finished is not None else "?"
-    add(f"  epoch: {sd.get('epoch')!r} ({state})")
-    dist = _mapping(sd.get("distributed"))
-    if dist.get("merged"):
-        add(
-            f"  global state: merged from {dist.get('world_size', '?')} ranks "
-            "(cp.merge_states); loads on any world size"
-        )
-    else:
-        add(f"  rank / world size: {dist.get('rank', '?')} / {dist.get('world_size', '?')}")
-    add(f"  seed: {sd.get('seed')!r}")
-    position = _mapping(sd.get("position"))
-    add(f"  pre_shard_index: {position.get('pre_shard_index')!r}")
-    if "delivered" in position:
-        add(f"  delivered this epoch: {position['delivered']!r} items")
-    for boundary, raw in _mapping(sd.get("in_flight")).items():
-        flight = _mapping(raw)
-        items = flight.get("items")
-        items = items if isinstance(items, (list, tuple)) else []
-        skip = flight.get("skip")
-        add(
-            f"  in-flight items at {boundary!r}: {len(items)} (seqs from "
-            f"{flight.get('first_seq')!r}, next_seq {flight.get('next_seq')!r}, "
-            f"{flight.get('skip_outputs', 0)!r} outputs of the first already delivered, "
-            f"{len(skip) if isinstance(skip, (list, tuple)) else '?'} to skip)"
-        )
-        if items:
-            add(f"    first: {_short(items[0])}")
-    if sd.get("delivered_stamp") is not None:
-        add(f"  delivered stamp: {_short(sd['delivered_stamp'])}")
-    fingerprint = sd.get("fingerprint")
-    kinds = {
-        pair[0]: pair[1]
-        for pair in (fingerprint if isinstance(fingerprint, (list, tuple)) else [])
-        if isinstance(pair, (list, tuple)) and len(pair) == 2
-    }
-    central = _mapping(sd.get("central"))
-    add(f"  central stages ({len(central)}):")
-    for name, stage_state in central.items():
-        add(f"    {name} ({kinds.get(name, '?')}):" + ("" if stage_state else " no state"))
-        if isinstance(stage_state, Mapping):
-            for key, value in stage_state.items():
-                add(f"      {key}: {_short(value)}")
-        elif stage_state:
-            add(f"      {_short(stage_state)}")
-    # Stages inside a mix are named "<mix>/<source>/<stage>"; their states are in the mix's.
-    mixes = tuple(f"{n}/" for n, k in kinds.items() if k == "mix")
-    inside = [f"{n} ({k})" for n, k in kinds.items() if n not in central and n.startswith(mixes)]
-    if inside:
-        add(f"  stages inside mixes: {', '.join(inside)}")
-    rest = [f"{n} ({k})" for n, k in kinds.items() if n not in central and not n.startswith(mixes)]
-    if rest:
-        add(f"  dispatch and worker stages: {', '.join(rest)}")
-    return "\n".join(lines)
-
-
-def _mapping(value: Any) -> Mapping[str, Any]:
-    return value if isinstance(value, Mapping) else {}
-
-
-def _short(value: Any) -> str:
-    """``repr`` for small values; type and size for big ones."""
-    try:
-        import torch
-
-        if isinstance(value, torch.Tensor):
-            return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype})"
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
-    text = repr(value)
-    if len(text) <= SMALL_REPR:
-        return text
-    if isinstance(value, Mapping):
-        return f"dict with {len(value)} keys: {', '.join(map(repr, list(value)[:5]))}" + (
-            ", ..." if len(value) > 5 else ""
-        )
-    if isinstance(value, (list, tuple, set, frozenset, bytes, str)):
-        return f"{type(value).__name__} of {len(value)}: {text[: SMALL_REPR - 20]}..."
-    return f"{type(value).__name__}: {text[:SMALL_REPR]}..."
-
-
-def _size(nbytes: int) -> str:
-    if nbytes < 1024:
-        return f"{nbytes} B"
-    if nbytes < 1024**2:
-        return f"{nbytes / 1024:.1f} KiB"
-    return f"{nbytes / 1024**2:.1f} MiB"
+    return inspect.summarize_checked(sd, source=source)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ MOVED: dict[str, str] = {
     "centralpipe.bench_transport": "centralpipe.tools.bench_transport",
     "centralpipe.bench_workloads": "centralpipe.tools.bench_workloads",
     "centralpipe.soak": "centralpipe.tools.soak",
+    "centralpipe.resume": "centralpipe.checkpoint.resume",
 }
 
 #: Documented path -> the module's home; not deprecated.

@@ -1,8 +1,15 @@
 """The checkpoint: its one typed model, and what reads and merges it.
 
-- ``model``   the layout of ``loader.state_dict()`` as attrs classes
-  (:class:`Checkpoint`), built and checked from the wire dict
-  (:func:`structure`), with the key path of any damage.
+- ``model``   the one typed checkpoint and the only module that knows its
+  layout: attrs classes (:class:`Checkpoint`, one :class:`Boundary` per
+  in-flight entry) built and checked from the wire dict (:func:`structure`,
+  errors name the key path), the fast writers ``state_dict()`` uses
+  (:class:`~centralpipe.checkpoint.model.Captured`), and the outline
+  ``inspect`` prints.
+- ``values``  the value checks the model's fields use (counts, stamps, ranges).
+- ``resume``  the Loader's plumbing: what a pass resumes from a loaded
+  checkpoint, and what a checkpoint must match (:func:`~.resume.expected`).
+- ``inspect`` ``python -m centralpipe inspect``: a checkpoint file's summary.
 - ``fit``     the checks of a checkpoint against the pipeline it resumes
   (:class:`Expected`, :func:`check_pipeline`, :func:`rank_mismatch`).
 - ``elastic`` merging every rank's state into one that resumes on any world

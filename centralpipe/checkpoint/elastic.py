@@ -38,7 +38,7 @@ from typing import Any
 import attrs
 
 from centralpipe import checkpoint
-from centralpipe.checkpoint import compact
+from centralpipe.checkpoint import compact, model
 from centralpipe.errors import CheckpointError
 from centralpipe.plan.specs import WORKER_KINDS
 from centralpipe.stages import NODE_CLASSES, Parallel
@@ -52,8 +52,7 @@ STAMPED_KINDS = ("count", "shard")
 
 def is_global(state: Any) -> bool:
     """Whether ``state`` is a global state from :func:`merge_states`."""
-    dist = state.get("distributed") if isinstance(state, Mapping) else None
-    return isinstance(dist, Mapping) and bool(dist.get("merged"))
+    return model.is_global(state)
 
 
 def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -82,23 +81,23 @@ def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             what = "a dict without 'distributed'" if isinstance(sd, Mapping) else type(sd).__name__
             msg = f"states[{i}] is not a centralpipe state_dict() (got {what})."
             raise CheckpointError(msg)
-    for i, sd in enumerate(states):
-        _validate(i, sd)
-    merged = [is_global(sd) for sd in states]
+    ckpts = [_validate(i, sd) for i, sd in enumerate(states)]
+    merged = [c.distributed.merged for c in ckpts]
     if any(merged):
-        return _already_global(states, merged)
-    ranks = [_Rank(i, sd) for i, sd in enumerate(states)]
+        return _already_global(states, ckpts, merged)
+    ranks = [_Rank(i, sd, ckpt) for i, (sd, ckpt) in enumerate(zip(states, ckpts))]
     _check_same_job(ranks)
     return _merge(ranks)
 
 
-def _validate(i: int, sd: Mapping[str, Any]) -> None:
+def _validate(i: int, sd: Mapping[str, Any]) -> model.Checkpoint:
     """Check ``states[i]`` as ``load_state_dict`` checks a checkpoint (the
     typed model, then :func:`~centralpipe.checkpoint.check_pipeline`) against
     what the state itself says of its pipeline; the error names the rank."""
     try:
         ckpt = checkpoint.structure(sd)
         checkpoint.check_pipeline(ckpt, _declared(ckpt))
+        return ckpt
     except CheckpointError as exc:
         dist = sd.get("distributed")
         rank = dist.get("rank") if isinstance(dist, Mapping) else None
@@ -174,36 +173,33 @@ def _declared(ckpt: checkpoint.Checkpoint) -> checkpoint.Expected:
 
 
 class _Rank:
-    """What the merge reads from one rank's state."""
+    """What the merge reads from one rank's state: its typed checkpoint, and
+    its wire dict (the global state is built on the furthest-behind rank's)."""
 
-    def __init__(self, i: int, sd: Mapping[str, Any]) -> None:
+    def __init__(self, i: int, sd: Mapping[str, Any], ckpt: model.Checkpoint) -> None:
         self.i = i
         self.sd = sd
-        try:
-            dist = sd["distributed"]
-            self.rank = int(dist["rank"])
-            self.world_size = int(dist["world_size"])
-            self.fingerprint = [list(x) for x in sd["fingerprint"]]
-            self.seed = sd["seed"]
-            self.epoch = int(sd["epoch"])
-            self.finished = bool(sd["finished"])
-            self.central = sd["central"]
-            self.boundary = _tip_boundary(self.fingerprint)
-            flight = sd["in_flight"][self.boundary]
-            self.first_seq = int(flight["first_seq"])
-            self.items = compact.decode_items(flight["items"])
-            self.stamps = flight.get("stamps")
-            self.skip_outputs = int(flight["skip_outputs"])
-            self.poison = {int(s) for s in flight["skip"]}
-            position = sd.get("position") or {}
-            delivered = position.get("delivered")
-            self.delivered = self.first_seq if delivered is None else int(delivered)
-        except (KeyError, TypeError, ValueError) as exc:
-            msg = f"states[{i}] is damaged: {type(exc).__name__}: {exc}."
-            raise CheckpointError(msg) from None
+        self.rank = ckpt.distributed.rank
+        self.world_size = ckpt.distributed.world_size
+        self.fingerprint = [list(x) for x in ckpt.fingerprint]
+        self.seed = ckpt.seed
+        self.epoch = ckpt.epoch
+        self.finished = ckpt.finished
+        self.central = ckpt.central
+        self.boundary = _tip_boundary(self.fingerprint)
+        flight = ckpt.in_flight[self.boundary]
+        self.first_seq = flight.first_seq
+        self.items = flight.items
+        self.stamps = flight.stamps
+        self.skip_outputs = flight.skip_outputs
+        self.poison = set(flight.skip)
+        self.delivered_stamp = ckpt.delivered_stamp
+        self.delivered = ckpt.position.delivered if model.has_step_count(sd) else self.first_seq
 
 
-def _already_global(states: Sequence[Mapping[str, Any]], merged: list[bool]) -> dict[str, Any]:
+def _already_global(
+    states: Sequence[Mapping[str, Any]], ckpts: list[model.Checkpoint], merged: list[bool]
+) -> dict[str, Any]:
     # Every rank that loaded one global state and has not moved since reports it.
     if not all(merged):
         msg = (
@@ -212,12 +208,12 @@ def _already_global(states: Sequence[Mapping[str, Any]], merged: list[bool]) -> 
             "of the ranks of one job."
         )
         raise CheckpointError(msg)
-    first = states[0]
-    for i, sd in enumerate(states[1:], 1):
-        if sd.get("central") != first.get("central") or sd.get("epoch") != first.get("epoch"):
+    first = ckpts[0]
+    for i, ckpt in enumerate(ckpts[1:], 1):
+        if ckpt.central != first.central or ckpt.epoch != first.epoch:
             msg = f"states[0] and states[{i}] are different global states."
             raise CheckpointError(msg)
-    return copy.copy(dict(first))
+    return copy.copy(dict(states[0]))
 
 
 def _check_same_job(ranks: list[_Rank]) -> None:
@@ -405,30 +401,16 @@ def _merge(ranks: list[_Rank]) -> dict[str, Any]:
         "source_index": source_index,
         "drop": sorted(set(drop) | set(new_drop)),
     }
-    src = ranks[m].sd
-    out = {key: value for key, value in src.items()}
-    out["central"] = {**src["central"], shard_name: shard_state}
-    out["distributed"] = {"rank": 0, "world_size": world, "merged": True}
-    out["finished"] = all(r.finished for r in ranks)
-    # In-flight inputs of boundaries before the shard (parallel central maps)
-    # belong to the pre-shard state: the furthest-behind rank's, like the rest.
-    out["in_flight"] = {
-        **src["in_flight"],
-        ranks[m].boundary: {
-            "next_seq": 0,
-            "first_seq": 0,
-            "items": [],
-            "stamps": [],
-            "skip_outputs": 0,
-            "skip": [],
-            # Same keys as a per-rank state_dict(): torch.distributed.checkpoint
-            # loads into a template with exactly these keys.
-            "delivered_stamp": None,
-        },
-    }
-    out["delivered_stamp"] = _delivered_stamp(ranks, slot, first, position)
-    out["position"] = {"pre_shard_index": first, "delivered": 0, "skipped": 0}
-    return out
+    src = ranks[m]
+    return model.merged_wire(
+        src.sd,
+        boundary=src.boundary,
+        central={**src.central, shard_name: shard_state},
+        world_size=world,
+        finished=all(r.finished for r in ranks),
+        delivered_stamp=_delivered_stamp(ranks, slot, first, position),
+        pre_shard_index=first,
+    )
 
 
 def _tip_boundary(fingerprint: list[list[str]]) -> str:
@@ -454,7 +436,7 @@ def _delivered_stamp(ranks: list[_Rank], slot: int, first: int, position: Any) -
     """The stamp as of the last item any rank delivered (the global position)."""
     done = [r for r in ranks if r.first_seq > 0]
     src = max(done, key=lambda r: position(r.rank, r.first_seq - 1)) if done else ranks[0]
-    stamp = src.sd.get("delivered_stamp")
+    stamp = src.delivered_stamp
     if stamp is None:
         return None
     out = list(stamp)

@@ -19,7 +19,13 @@ from typing import Any
 
 import attrs
 
-from centralpipe.checkpoint.model import Boundary, Checkpoint, structure_state
+from centralpipe.checkpoint.model import (
+    DELIVERED_STAMP_KEY,
+    IN_FLIGHT_KEY,
+    Boundary,
+    Checkpoint,
+    structure_state,
+)
 from centralpipe.errors import CheckpointError
 from centralpipe.validators import FieldError, short_repr
 
@@ -81,7 +87,7 @@ def check_pipeline(ckpt: Checkpoint, want: Expected) -> dict[str, Any]:
         _fail("central", f"one state per central stage (missing {missing})", f"extra {extra}")
     if sorted(ckpt.in_flight) != sorted(want.boundaries):
         _parallel_mismatch(list(ckpt.in_flight), want.boundaries, names)
-        _fail("in_flight", f"keyed by boundary {want.boundaries}", sorted(ckpt.in_flight))
+        _fail(IN_FLIGHT_KEY, f"keyed by boundary {want.boundaries}", sorted(ckpt.in_flight))
     states: dict[str, Any] = {}
     for node in want.nodes:
         raw = ckpt.central[node.name]
@@ -153,7 +159,7 @@ def _check_boundary(
     segment = want.segments.get(name)
     if segment is None:
         stamped_nodes, multi = want.stamped, want.multi_output
-        delivered, delivered_path = ckpt.delivered_stamp, "delivered_stamp"
+        delivered, delivered_path = ckpt.delivered_stamp, DELIVERED_STAMP_KEY
         if want.length is not None and flight.next_seq > want.length:
             _fail(f"{path}.next_seq", f"<= {want.length} (items per epoch here)", flight.next_seq)
         if flight.delivered_stamp is not None:
@@ -204,7 +210,7 @@ def _check_boundary(
             value = entry if is_index else entry[0]
             # A global state's delivered view may be ahead of the furthest-behind
             # rank's stages (equalize=None): those items are dropped on resume.
-            ahead_ok = ckpt.distributed.merged and where == "delivered_stamp"
+            ahead_ok = ckpt.distributed.merged and where == DELIVERED_STAMP_KEY
             if not previous[i] <= value <= (value if ahead_ok else now[i]):
                 expected = f"between {previous[i]} and the stage's {now[i]}"
                 _fail(f"{where}[{i}]", expected, entry)

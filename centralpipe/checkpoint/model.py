@@ -31,78 +31,84 @@ it from a wire dict with cattrs, checking every type and range (errors name the
 key path, what was expected and what was got). Each stage kind declares its own
 state class (``CentralNode.State``); :func:`check_pipeline` (in
 :mod:`centralpipe.checkpoint.fit`) then checks the checkpoint against the
-pipeline it is loaded into. ``Loader.state_dict()``
-writes the wire dict directly (it is taken every few steps and must stay
-cheap); a test pins that it always structures into this model.
+pipeline it is loaded into.
+
+This module is the only one that spells the layout (a test pins it):
+
+- writers: ``Loader.state_dict()`` is taken every few steps, so it builds the
+  wire dict directly, with no cattrs round trip: each stream's entry with
+  :func:`entry_wire`, the whole checkpoint with :meth:`Captured.wire`; a
+  global state with :func:`merged_wire`. Tests pin that what they write
+  structures into this model.
+- readers: a load structures the dict once; resume (a stream is handed its
+  :class:`Boundary`), ``merge_states`` and ``inspect`` (:class:`Outline`)
+  read the typed objects. The few facts read from a wire dict that is not
+  structured (a damaged one for ``inspect``, a count for a benchmark) are
+  read here too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, TypeVar, cast
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
 
 import attrs
 import cattrs
 from attrs import validators as v
-from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn
+from cattrs.gen import make_dict_structure_fn
 
 from centralpipe.checkpoint import compact
+from centralpipe.checkpoint.values import (
+    INT64_END,
+    IS_MAPPING,
+    RANGE,
+    RANGE_TEXT,
+    SEED_END,
+    STAMP,
+    STAMP_TEXT,
+    count,
+)
 from centralpipe.errors import CheckpointError
-from centralpipe.validators import NUMBER, FieldError, checked, int_in, sequence_of, short_repr
+from centralpipe.validators import FieldError, checked, int_in, sequence_of, short_repr
 
 __all__ = [
+    "DELIVERED_STAMP_KEY",
     "FORMAT_VERSION",
+    "IN_FLIGHT_KEY",
+    "STAMP_KEYS",
     "Boundary",
+    "Captured",
     "Checkpoint",
     "Distributed",
+    "EntryOutline",
+    "Outline",
     "Position",
+    "copy_wire",
+    "empty_entry",
+    "entry_wire",
+    "has_step_count",
+    "in_flight_items",
+    "is_global",
+    "merged_wire",
+    "stamp_tuple",
     "structure",
     "structure_state",
     "unstructure",
 ]
 
 FORMAT_VERSION = 2
-#: Counts, seqs and indexes fit an int64 (tensors, torch.distributed.checkpoint).
-INT64_END = 2**63
-#: Seeds are mixed as 64-bit values: larger ones would repeat smaller ones' streams.
-SEED_END = 2**64
+#: Keys that other modules name in messages (key paths); only this module reads them.
+IN_FLIGHT_KEY = "in_flight"
+DELIVERED_STAMP_KEY = "delivered_stamp"
+#: Keys whose values are stamps (damaged as stamps by ``testing.faults``).
+STAMP_KEYS = frozenset({DELIVERED_STAMP_KEY})
 
 T = TypeVar("T")
 
 
-def _count(name: str = "an int >= 0") -> Any:
-    return checked(FieldError, name, int_in(0, INT64_END))
-
-
-def _is_stamp_entry(_inst: Any, _attr: attrs.Attribute[Any], value: Any) -> None:
-    # A shard stamps its index (int), or [index, *count totals the item
-    # arrived with] when counts precede it; a count stamps (items, weight).
-    if isinstance(value, int) and not isinstance(value, bool):
-        if not 0 <= value < INT64_END:
-            raise ValueError(value)
-        return
-    if not isinstance(value, (list, tuple)) or not value:
-        raise TypeError(value)
-    if all(isinstance(x, (list, tuple)) for x in value[1:]):  # a shard's [index, *counts]
-        int_in(0, INT64_END)(_inst, _attr, value[0])
-        for pair in value[1:]:
-            _is_stamp_entry(_inst, _attr, pair)
-        return
-    if len(value) != 2:
-        raise TypeError(value)
-    items, weight = value
-    int_in(0, INT64_END)(_inst, _attr, items)
-    NUMBER(_inst, _attr, weight)
-
-
-STAMP = sequence_of(_is_stamp_entry)
-_IS_MAPPING: Any = v.instance_of(cast(type, Mapping))
-STAMP_TEXT = "a list of shard indexes (int >= 0) and count totals ([items, weight])"
-
-
 @attrs.frozen(kw_only=True)
 class Distributed:
-    rank: int = attrs.field(validator=_count())
+    rank: int = attrs.field(validator=count())
     world_size: int = attrs.field(validator=checked(FieldError, "an int >= 1", int_in(1)))
     #: A global state (``merge_states``): loads on any rank of any world size;
     #: ``world_size`` is the one it was merged from.
@@ -121,7 +127,7 @@ class Position:
         validator=checked(FieldError, "None or an int >= 0", v.optional(int_in(0, INT64_END)))
     )
     #: Outputs delivered this epoch (since its start or its last elastic resume).
-    delivered: int = attrs.field(default=0, validator=_count())
+    delivered: int = attrs.field(default=0, validator=count())
     #: Inputs of this epoch before the first undelivered one that gave no
     #: output (skipped with ``on_error="skip"``, dropped by a worker filter);
     #: ``None`` in states from before the field. With worker stages that make
@@ -133,23 +139,6 @@ class Position:
     )
 
 
-def _is_range(_inst: Any, _attr: attrs.Attribute[Any], value: Any) -> None:
-    # [at, file name, start byte, end byte, lines, lines before the in-flight ones]
-    if not isinstance(value, (list, tuple)) or len(value) != 6:
-        raise TypeError(value)
-    at, name, start, end, count, skip = value
-    for n in (at, start, end, count, skip):
-        int_in(0, INT64_END)(_inst, _attr, n)
-    if not isinstance(name, str) or not name or not start < end or not skip < count:
-        raise ValueError(value)
-
-
-RANGE_TEXT = (
-    "a list of [at, file, start, end, lines, skip] (ints >= 0 but the file's name; "
-    "start < end, skip < lines)"
-)
-
-
 def _decoded_items(value: Any) -> list[Any]:
     """A boundary's ``items``: a list, or their compact form decoded."""
     items: list[Any] = compact.decoded_items("items", value)
@@ -159,10 +148,16 @@ def _decoded_items(value: Any) -> list[Any]:
 @attrs.frozen(kw_only=True)
 class Boundary:
     """The inputs sent across one boundary (e.g. ``dispatch``) and not yet
-    delivered, oldest first: ``items[i]`` has seq ``first_seq + i``."""
+    delivered, oldest first: ``items[i]`` has seq ``first_seq + i``.
 
-    next_seq: int = attrs.field(validator=_count())
-    first_seq: int = attrs.field(validator=_count())
+    The one model of an in-flight entry: checked here, handed as is to the
+    stream that resumes it, and written by :func:`entry_wire`. What a stream
+    makes of it, its queue of inputs still to re-send
+    (``dispatch.reorder.Stream._resume``, consumed as chunks are pulled), is
+    another thing: that stream's progress, not the checkpoint."""
+
+    next_seq: int = attrs.field(validator=count())
+    first_seq: int = attrs.field(validator=count())
     items: list[Any] = attrs.field(
         converter=_decoded_items,
         validator=checked(FieldError, "a list", sequence_of()),
@@ -172,7 +167,7 @@ class Boundary:
             FieldError, f"None or a list of stamps ({STAMP_TEXT})", v.optional(sequence_of(STAMP))
         )
     )
-    skip_outputs: int = attrs.field(validator=_count())
+    skip_outputs: int = attrs.field(validator=count())
     skip: list[int] = attrs.field(
         validator=checked(FieldError, "a list of seqs", sequence_of(int_in(0, INT64_END)))
     )
@@ -186,7 +181,7 @@ class Boundary:
     #: end, lines, skip]``: the range's lines after its first ``skip`` come
     #: before ``items[at]`` (or after the last item). Absent when empty.
     ranges: list[Any] = attrs.field(
-        factory=list, validator=checked(FieldError, RANGE_TEXT, sequence_of(_is_range))
+        factory=list, validator=checked(FieldError, RANGE_TEXT, sequence_of(RANGE))
     )
 
     def __attrs_post_init__(self) -> None:
@@ -217,6 +212,30 @@ class Boundary:
         if self.skip_outputs and not n:
             raise FieldError("skip_outputs", "0 when no item is in flight", self.skip_outputs)
 
+    @classmethod
+    def from_wire(cls, entry: Any, name: str = "dispatch") -> Boundary:
+        """The checked entry of boundary ``name`` (``CheckpointError`` naming
+        the key path when damaged)."""
+        try:
+            out: Boundary = _CONVERTER.structure(entry, Boundary)
+        except Exception as exc:
+            _raise(exc, f"$.in_flight['{name}']")
+            raise  # pragma: no cover - _raise always raises
+        return out
+
+    def to_wire(self) -> dict[str, Any]:
+        """This entry's wire dict (items as they are here: decoded)."""
+        return entry_wire(
+            next_seq=self.next_seq,
+            first_seq=self.first_seq,
+            items=self.items,
+            stamps=self.stamps,
+            skip_outputs=self.skip_outputs,
+            skip=self.skip,
+            delivered_stamp=self.delivered_stamp,
+            ranges=self.ranges,
+        )
+
 
 @attrs.frozen(kw_only=True)
 class Checkpoint:
@@ -233,14 +252,14 @@ class Checkpoint:
     seed: int = attrs.field(
         validator=checked(FieldError, "an int in [0, 2**64)", int_in(0, SEED_END))
     )
-    epoch: int = attrs.field(validator=_count())
+    epoch: int = attrs.field(validator=count())
     finished: bool = attrs.field(validator=checked(FieldError, "a bool", v.instance_of(bool)))
     distributed: Distributed
     central: dict[str, Any] = attrs.field(
         validator=checked(
             FieldError,
             "a dict of stage name -> state dict",
-            v.deep_mapping(v.instance_of(str), _IS_MAPPING, _IS_MAPPING),
+            v.deep_mapping(v.instance_of(str), IS_MAPPING, IS_MAPPING),
         )
     )
     in_flight: dict[str, Boundary]
@@ -252,6 +271,17 @@ class Checkpoint:
     def __attrs_post_init__(self) -> None:
         if any(len(pair) != 2 for pair in self.fingerprint):
             raise FieldError("fingerprint", "a list of [stage name, kind] pairs", self.fingerprint)
+
+    def skipped(self, tip: str) -> int:
+        """Inputs of this epoch that gave no output (``position.skipped``).
+
+        A state from before that field has none: the first undelivered input's
+        seq less the outputs delivered stands in, which is the count whenever
+        each input gives at most one output (the only pipelines whose step
+        count is checked against it)."""
+        if self.position.skipped is not None:
+            return self.position.skipped
+        return max(0, self.in_flight[tip].first_seq - self.position.delivered)
 
 
 # -- cattrs: wire dict <-> model ---------------------------------------------------------
@@ -294,15 +324,8 @@ def _make_converter() -> cattrs.Converter:
     conv.register_unstructure_hook_func(
         lambda tp: not attrs.has(tp) and tp != dict[str, Boundary], lambda value: value
     )
-    boundary = make_dict_unstructure_fn(Boundary, conv)
-
-    def boundary_wire(value: Boundary) -> dict[str, Any]:
-        out: dict[str, Any] = boundary(value)
-        if not out["ranges"]:
-            del out["ranges"]  # present only when some lines are in flight as ranges
-        return out
-
-    conv.register_unstructure_hook(Boundary, boundary_wire)
+    # One writer of an entry: the fast path's (ranges present only when some are).
+    conv.register_unstructure_hook(Boundary, Boundary.to_wire)
     return conv
 
 
@@ -374,3 +397,308 @@ def structure_state(state: Any, cls: type[T], stage: str) -> T:
 def unstructure(obj: Any) -> Any:
     """The wire form (plain dicts) of a model object."""
     return _CONVERTER.unstructure(obj)
+
+
+# -- the writers: wire dicts built directly (state_dict() is taken every few steps) -----
+
+
+def entry_wire(
+    *,
+    next_seq: int,
+    first_seq: int,
+    items: Any,
+    stamps: list[Any] | None,
+    skip_outputs: int,
+    skip: list[int],
+    delivered_stamp: Any = None,
+    ranges: list[Any] | None = None,
+) -> dict[str, Any]:
+    """A boundary's wire entry (:class:`Boundary`'s layout), unchecked: the
+    fast path of ``state_dict()``; a test pins that it structures."""
+    out = {
+        "next_seq": next_seq,
+        "first_seq": first_seq,
+        "items": items,
+        "stamps": stamps,
+        "skip_outputs": skip_outputs,
+        "skip": skip,
+        "delivered_stamp": delivered_stamp,
+    }
+    if ranges:  # present only when some lines are in flight as ranges
+        out["ranges"] = ranges
+    return out
+
+
+def empty_entry() -> dict[str, Any]:
+    """The entry of a boundary with nothing in flight (before its first run)."""
+    return entry_wire(next_seq=0, first_seq=0, items=[], stamps=None, skip_outputs=0, skip=[])
+
+
+@attrs.define(slots=True, eq=False)
+class Captured:
+    """What ``state_dict()`` captured of a run (or of an idle loader), before
+    it is a checkpoint: the dispatch boundary's entry (its ``delivered_stamp``
+    the stream's, which becomes the checkpoint's top-level one), the step
+    count, and, filled in by the run, the central states and every parallel
+    stage's entry. Unchecked and mutable: it is built on the hot path, and
+    :meth:`wire` is the one place it becomes the layout."""
+
+    #: The dispatch boundary's wire entry (:func:`entry_wire`).
+    entry: dict[str, Any]
+    finished: bool
+    #: Outputs delivered this epoch and inputs that gave none (``position``).
+    delivered: int
+    skipped: int
+    central: dict[str, Any] = attrs.field(factory=dict)
+    #: Each parallel stage's wire entry, by stage name.
+    segments: dict[str, dict[str, Any]] = attrs.field(factory=dict)
+
+    @classmethod
+    def idle(cls, segments: Sequence[str], central: dict[str, Any]) -> Captured:
+        """Between runs: no item in flight."""
+        segs = {name: empty_entry() for name in segments}
+        return cls(empty_entry(), True, 0, 0, central, segs)
+
+    @property
+    def delivered_stamp(self) -> Any:
+        """The count/shard stamp as of the last delivered output."""
+        return self.entry["delivered_stamp"]
+
+    def count_seqs(self) -> None:
+        """Count the seqs of the entry's items when ``next_seq`` has not yet
+        (a pull let go of the chain lock after storing them): ``next_seq`` is
+        at least ``first_seq + len(items)``."""
+        entry = self.entry
+        n = compact.count_items(entry["items"])  # compact when they are token arrays
+        entry["next_seq"] = max(entry["next_seq"], entry["first_seq"] + n)
+
+    def extend(self, items: list[Any], stamps: list[Any] | None) -> None:
+        """Append ``items`` (with their ``stamps``) as in flight after the
+        entry's, with the next seqs (a node's rank: its shard's items not yet
+        sent, ``dispatch.node``)."""
+        if not items:
+            return
+        entry = self.entry
+        before = compact.decode_items(entry["items"])  # compact when they are token arrays
+        had = bool(before)
+        entry["items"] = compact.encode_items([*before, *items])
+        if entry["stamps"] is not None:
+            entry["stamps"] = [*entry["stamps"], *(stamps or ())]
+        if not had:
+            entry["first_seq"] = entry["next_seq"]
+        entry["next_seq"] += len(items)
+
+    def wire(
+        self,
+        *,
+        fingerprint: Any,
+        seed: int,
+        epoch: int,
+        rank: int,
+        world_size: int,
+        boundary: str,
+        pre_shard_index: int | None,
+    ) -> dict[str, Any]:
+        """The checkpoint's wire dict (builtins and tensors only)."""
+        tip = dict(self.entry)
+        stamp = tip["delivered_stamp"]
+        tip["delivered_stamp"] = None  # the top-level one
+        return {
+            "format_version": FORMAT_VERSION,
+            "fingerprint": fingerprint,
+            "seed": seed,
+            "epoch": epoch,
+            "finished": self.finished,
+            # "merged" is always present, so a state_dict() used as the template
+            # of torch.distributed.checkpoint's load receives a global state's flag.
+            "distributed": {"rank": rank, "world_size": world_size, "merged": False},
+            "central": self.central,
+            "in_flight": {**self.segments, boundary: tip},
+            "delivered_stamp": stamp,
+            "position": {
+                "pre_shard_index": pre_shard_index,
+                "delivered": self.delivered,
+                "skipped": self.skipped,
+            },
+        }
+
+
+def merged_wire(
+    src: Mapping[str, Any],
+    *,
+    boundary: str,
+    central: dict[str, Any],
+    world_size: int,
+    finished: bool,
+    delivered_stamp: Any,
+    pre_shard_index: int,
+) -> dict[str, Any]:
+    """A global state (``merge_states``) on the wire: rank state ``src`` (the
+    furthest-behind rank's) with the merged central states, nothing in flight
+    at ``boundary`` (its items are in the shard's queue) and the global
+    position. Other boundaries' entries (parallel stages before the shard)
+    are ``src``'s, as its pre-shard states are."""
+    out = dict(src)
+    out["central"] = central
+    out["distributed"] = {"rank": 0, "world_size": world_size, "merged": True}
+    out["finished"] = finished
+    # Every key of a per-rank entry (stamps [] rather than None included):
+    # torch.distributed.checkpoint loads into a template with exactly these keys.
+    tip = entry_wire(next_seq=0, first_seq=0, items=[], stamps=[], skip_outputs=0, skip=[])
+    out["in_flight"] = {**src["in_flight"], boundary: tip}
+    out["delivered_stamp"] = delivered_stamp
+    out["position"] = {"pre_shard_index": pre_shard_index, "delivered": 0, "skipped": 0}
+    return out
+
+
+def copy_wire(sd: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a wire checkpoint's containers (items themselves are shared)."""
+    out = dict(sd)
+    out["in_flight"] = {name: _copy_entry(entry) for name, entry in sd["in_flight"].items()}
+    out["central"] = dict(sd["central"])
+    return out
+
+
+def _copy_entry(entry: Mapping[str, Any]) -> dict[str, Any]:
+    out = {**entry, "items": compact.copy_items(entry["items"])}
+    if "ranges" in entry:
+        out["ranges"] = [list(r) for r in entry["ranges"]]
+    return out
+
+
+def in_flight_items(sd: Mapping[str, Any]) -> int:
+    """Items in flight at every boundary of a wire checkpoint (compact ones counted)."""
+    return sum(compact.count_items(e["items"]) for e in sd["in_flight"].values())
+
+
+def is_global(sd: Any) -> bool:
+    """Whether the wire dict ``sd`` is a global state (``merge_states``)."""
+    dist = sd.get("distributed") if isinstance(sd, Mapping) else None
+    return isinstance(dist, Mapping) and bool(dist.get("merged"))
+
+
+def has_step_count(sd: Mapping[str, Any]) -> bool:
+    """Whether a (structured) wire checkpoint states ``position.delivered``
+    (states from before the field do not; the model reads them as 0)."""
+    position = sd.get("position")
+    return isinstance(position, Mapping) and position.get("delivered") is not None
+
+
+def stamp_tuple(stamp: Any) -> Any:
+    """A stamp as a stream holds it (tuples, as the stamper makes them)."""
+    if stamp is None:
+        return None
+    return tuple(tuple(x) if isinstance(x, list) else x for x in stamp)
+
+
+# -- the outline: what ``inspect`` prints, from the model or from a damaged dict ---------
+
+
+@attrs.frozen
+class EntryOutline:
+    """One boundary's in-flight entry as ``inspect`` shows it."""
+
+    name: str
+    items: int
+    first_seq: Any
+    next_seq: Any
+    skip_outputs: Any
+    skips: int | None  # None: not a list
+    #: The first in-flight item, when there is one (``[item]``), else ``[]``.
+    first: list[Any]
+
+
+@attrs.frozen
+class Outline:
+    """A checkpoint's facts as ``inspect`` shows them: from the typed model
+    (:meth:`of`), or read leniently from a dict that does not pass it
+    (:meth:`loose`, ``"?"`` or ``None`` for what cannot be read)."""
+
+    format_version: Any
+    epoch: Any
+    finished: Any
+    rank: Any
+    world_size: Any
+    merged: bool
+    seed: Any
+    pre_shard_index: Any
+    delivered: Any  # None: not in the checkpoint
+    in_flight: list[EntryOutline]
+    delivered_stamp: Any
+    #: [stage name, kind] pairs, and each central stage's state.
+    fingerprint: list[Any]
+    central: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, ckpt: Checkpoint) -> Outline:
+        flights = [
+            EntryOutline(
+                name,
+                len(b.items),
+                b.first_seq,
+                b.next_seq,
+                b.skip_outputs,
+                len(b.skip),
+                b.items[:1],
+            )
+            for name, b in ckpt.in_flight.items()
+        ]
+        dist, pos = ckpt.distributed, ckpt.position
+        return cls(
+            ckpt.format_version,
+            ckpt.epoch,
+            ckpt.finished,
+            dist.rank,
+            dist.world_size,
+            dist.merged,
+            ckpt.seed,
+            pos.pre_shard_index,
+            pos.delivered,
+            flights,
+            ckpt.delivered_stamp,
+            list(ckpt.fingerprint),
+            ckpt.central,
+        )
+
+    @classmethod
+    def loose(cls, sd: Mapping[str, Any]) -> Outline:
+        dist, pos = _mapping(sd.get("distributed")), _mapping(sd.get("position"))
+        flights = []
+        for name, raw in _mapping(sd.get("in_flight")).items():
+            entry = _mapping(raw)
+            try:
+                items = compact.decode_items(entry.get("items"))
+            except (TypeError, ValueError):
+                items = []
+            skip = entry.get("skip")
+            flights.append(
+                EntryOutline(
+                    str(name),
+                    len(items),
+                    entry.get("first_seq"),
+                    entry.get("next_seq"),
+                    entry.get("skip_outputs", 0),
+                    len(skip) if isinstance(skip, (list, tuple)) else None,
+                    items[:1],
+                )
+            )
+        fingerprint = sd.get("fingerprint")
+        return cls(
+            sd.get("format_version"),
+            sd.get("epoch"),
+            sd.get("finished"),
+            dist.get("rank", "?"),
+            dist.get("world_size", "?"),
+            bool(dist.get("merged")),
+            sd.get("seed"),
+            pos.get("pre_shard_index"),
+            pos.get("delivered"),
+            flights,
+            sd.get("delivered_stamp"),
+            list(fingerprint) if isinstance(fingerprint, (list, tuple)) else [],
+            _mapping(sd.get("central")),
+        )
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}

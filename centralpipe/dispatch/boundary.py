@@ -16,30 +16,16 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from centralpipe.checkpoint.model import Captured, Checkpoint, stamp_tuple
 from centralpipe.dispatch.executors.pool import Executor
 from centralpipe.dispatch.reorder import Driver, Stamper, Stream, StreamStats
 from centralpipe.dispatch.sender import FeederDriver, InlineDriver, SegmentDriver
 from centralpipe.dispatch.supervisor import Policy, Session
 from centralpipe.dispatch.warm import WarmDriver, WarmStart
-from centralpipe.dispatch.wire.protocol import InFlight
 from centralpipe.dispatch.worker.chain import WorkerChain
 from centralpipe.stages import CentralNode, Parallel, Shard
 
-__all__ = ["Policy", "Run", "StreamPlan", "WarmStart", "empty_segment_entry", "idle_worker_states"]
-
-
-class StreamPlan:
-    """Where one stream resumes: ``next_seq``, in-flight inputs, delivered stamp."""
-
-    def __init__(
-        self,
-        next_seq: int = 0,
-        resume: InFlight | None = None,
-        delivered_stamp: Any = None,
-    ) -> None:
-        self.next_seq = next_seq
-        self.resume = resume
-        self.delivered_stamp = delivered_stamp
+__all__ = ["Policy", "Run", "WarmStart", "idle_worker_states"]
 
 
 class Run:
@@ -52,7 +38,7 @@ class Run:
         chain: WorkerChain,
         segment_chains: Sequence[WorkerChain],
         epoch: int,
-        plans: dict[str, StreamPlan],
+        resume: Checkpoint | None,
         buffer_size: int | None,
         chunk_size: int | None,
         policy: Policy,
@@ -61,8 +47,6 @@ class Run:
         dispatch_name: str,
         executor: Executor | None = None,
         run_id: int = 0,
-        delivered: int = 0,
-        skipped: int = 0,
         pinner: Any = None,
         chain_lock: threading.RLock | None = None,
         warm: WarmStart | None = None,
@@ -89,14 +73,14 @@ class Run:
         for i, (node, seg_chain) in enumerate(zip(self.segments, segment_chains)):
             assert isinstance(node.source, CentralNode)
             node.stamper = Stamper(node.source.chain())
-            plan = plans.get(node.name, StreamPlan())
+            entry = None if resume is None else resume.in_flight[node.name]
             stream = Stream(
                 tip=node.source,
                 stamper=node.stamper,
                 chain=seg_chain,
-                next_seq=plan.next_seq,
-                resume=plan.resume,
-                delivered_stamp=plan.delivered_stamp,
+                next_seq=0 if entry is None else entry.next_seq,
+                resume=entry,
+                delivered_stamp=None if entry is None else stamp_tuple(entry.delivered_stamp),
                 stats=segment_stats[node.name],
                 dispatch_name=node.name,
                 stream_id=i,
@@ -106,19 +90,25 @@ class Run:
             # through the workers' serialisation, as the dispatch stream does.
             stream.driver = InlineDriver(stream, as_worker=warm is not None)
             self.segment_streams.append(stream)
-        plan = plans.get(dispatch_name, StreamPlan())
+        # The dispatch boundary's stamp as of its last output is the
+        # checkpoint's top-level one.
+        # A run with no dispatch entry in ``resume`` (the node's shared run:
+        # its tip is never pulled) resumes its parallel stages only.
+        tip = None if resume is None else resume.in_flight.get(dispatch_name)
+        if tip is None:
+            resume = None
         self.stream = Stream(
             tip=self.nodes[-1],
             stamper=Stamper(self.nodes),
             chain=chain,
-            next_seq=plan.next_seq,
-            resume=plan.resume,
-            delivered_stamp=plan.delivered_stamp,
+            next_seq=0 if tip is None else tip.next_seq,
+            resume=tip,
+            delivered_stamp=None if resume is None else stamp_tuple(resume.delivered_stamp),
             stats=stats,
             dispatch_name=dispatch_name,
             stream_id=len(self.segments),
-            delivered=delivered,
-            skipped=skipped,
+            delivered=0 if resume is None else resume.position.delivered,
+            skipped=0 if resume is None else resume.skipped(dispatch_name),
             rng_base=_rng_base(self.nodes),
             chain_lock=chain_lock,
             **common,
@@ -214,14 +204,14 @@ class Run:
         """The chain lock, to read central stages (``guard.Holding``)."""
         return self.stream.reading(what)
 
-    def capture(self, what: str = "state_dict()") -> dict[str, Any]:
+    def capture(self, what: str = "state_dict()") -> Captured:
         """Central states, the dispatch boundary's and every parallel stage's
         in-flight inputs, all at the consumer's position (one lock)."""
         with self.stream.reading(what), self.stream.lock:
             body = self.stream.capture_unlocked()
-            body["central"] = {node.name: node.own_state() for node in self.nodes}
-            body["segments"] = {
-                node.name: _segment_entry(stream.capture_unlocked())
+            body.central = {node.name: node.own_state() for node in self.nodes}
+            body.segments = {
+                node.name: stream.capture_unlocked().entry
                 for node, stream in zip(self.segments, self.segment_streams)
             }
         return body
@@ -313,24 +303,3 @@ def _rng_base(nodes: Sequence[CentralNode[Any]]) -> tuple[int, int, int]:
     size; its seq without a shard."""
     shard = next((n for n in nodes if isinstance(n, Shard)), None)
     return (0, 1, 0) if shard is None else (shard.base, shard.ctx.world_size, shard.ctx.rank)
-
-
-def _segment_entry(captured: dict[str, Any]) -> dict[str, Any]:
-    """A parallel stage's checkpoint entry: the dispatch boundary's fields."""
-    entry = dict(captured["in_flight"])
-    entry["next_seq"] = captured["next_seq"]
-    entry["delivered_stamp"] = captured["delivered_stamp"]
-    return entry
-
-
-def empty_segment_entry() -> dict[str, Any]:
-    """The entry of a parallel stage before its first run."""
-    return {
-        "first_seq": 0,
-        "items": [],
-        "stamps": None,
-        "skip_outputs": 0,
-        "skip": [],
-        "next_seq": 0,
-        "delivered_stamp": None,
-    }

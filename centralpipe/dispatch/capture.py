@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from centralpipe.checkpoint.compact import join_parts, pack_part, part_of_flats
+from centralpipe.checkpoint.model import Captured, entry_wire
 from centralpipe.dispatch.guard import Holding
 from centralpipe.dispatch.wire.protocol import Chunk
 from centralpipe.dispatch.worker.ranges import LineRange
@@ -114,13 +115,14 @@ class Capture:
         either held."""
         return Holding(self.chain_lock, what, self._chain_nodes, readers=self)
 
-    def capture(self) -> dict[str, Any]:
+    def capture(self) -> Captured:
         """This stream's part of the checkpoint at the consumer's position:
-        ``next_seq``, ``in_flight``, ``delivered_stamp`` and ``finished``."""
+        its boundary's entry (with the stamp as of its last delivered output),
+        whether it finished, and its step count."""
         with self.reading(), self.lock:
             return self.capture_unlocked()
 
-    def capture_unlocked(self) -> dict[str, Any]:
+    def capture_unlocked(self) -> Captured:
         """:meth:`capture` for a caller that holds the lock of the stream
         downstream (a parallel stage's stream is only changed under it)."""
         parts: list[Any] = []  # compact parts of the items (checkpoint.compact)
@@ -177,24 +179,20 @@ class Capture:
             delivered_stamp = self._stamp_now()
         if self._resume:
             parts.append(pack_part(plain))
-        in_flight = {
-            "first_seq": first_seq,
-            "items": join_parts(parts),
-            "stamps": stamps,
-            "skip_outputs": skip_outputs,
-            "skip": skip,
-        }
-        if ranges:
-            in_flight["ranges"] = ranges
-        return {
-            "next_seq": self.next_seq,
-            "in_flight": in_flight,
-            "delivered_stamp": delivered_stamp,
-            "finished": self.finished,
-            "delivered": self.delivered
-            + (self._delivered_in_current() if self.current is not None else 0),
-            "skipped": skipped,
-        }
+        entry = entry_wire(
+            next_seq=self.next_seq,
+            first_seq=first_seq,
+            items=join_parts(parts),
+            stamps=stamps,
+            skip_outputs=skip_outputs,
+            skip=skip,
+            delivered_stamp=delivered_stamp,
+            ranges=ranges,
+        )
+        delivered = self.delivered + (
+            self._delivered_in_current() if self.current is not None else 0
+        )
+        return Captured(entry, self.finished, delivered, skipped)
 
     def delivered_stamp(self) -> Any:
         """Stamp of the count/shard stages as of the last delivered output:

@@ -15,9 +15,11 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from centralpipe import checkpoint, metrics, resume
+from centralpipe import checkpoint, metrics
+from centralpipe.checkpoint import resume
+from centralpipe.checkpoint.resume import Pending
 from centralpipe.config import LoaderConfig
-from centralpipe.dispatch.boundary import Policy, Run, StreamPlan, WarmStart, idle_worker_states
+from centralpipe.dispatch.boundary import Policy, Run, WarmStart, idle_worker_states
 from centralpipe.dispatch.executors.pool import Executor
 from centralpipe.dispatch.executors.preload import server_preload
 from centralpipe.dispatch.executors.procpool import ProcessPool, warm_up
@@ -76,7 +78,7 @@ class LocalCentral:
         self._segment_stats = {
             n.name: StreamStats(config.workers.num_workers) for n in self._segments
         }
-        self._resume: dict[str, Any] | None = None
+        self._resume: Pending | None = None
         #: The pending checkpoint's central states are not loaded yet.
         self._reload = False
         self._run_ids = 0
@@ -130,22 +132,17 @@ class LocalCentral:
         pending, epoch_before = self._resume, self.epoch
         with hold(res.chain_lock, "starting a pass", self._nodes):
             if pending is not None and self._reload:
-                self._nodes[-1].load_flat(dict(pending["central"]))
+                self._nodes[-1].load_flat(dict(pending.ckpt.central))
                 self._reload = False
-            if pending is not None and not pending["finished"]:
+            if pending is not None and not pending.ckpt.finished:
                 epoch = self.epoch
-                run = self._make_run(
-                    epoch=epoch,
-                    plans=resume.plans(pending, self._boundary, resume.readers(self._nodes)),
-                    delivered=resume.delivered(pending),
-                    skipped=resume.skipped(pending, self._boundary),
-                )
+                run = self._make_run(epoch=epoch, ckpt=pending.ckpt)
             else:
                 epoch = self.epoch + 1
                 self._ctx.epoch = epoch
                 try:
                     self._nodes[-1].load_flat(None)
-                    run = self._make_run(epoch=epoch, plans={})
+                    run = self._make_run(epoch=epoch, ckpt=None)
                 except BaseException:
                     self._ctx.epoch = epoch_before
                     raise
@@ -159,9 +156,9 @@ class LocalCentral:
             if pending is not None:
                 # The central stages go back to the checkpoint's position.
                 with hold(res.chain_lock, "restoring after a failed start", self._nodes):
-                    self._nodes[-1].load_flat(dict(pending["central"]))
+                    self._nodes[-1].load_flat(dict(pending.ckpt.central))
             raise
-        if pending is None or pending["finished"]:
+        if pending is None or pending.ckpt.finished:
             self._stats.epoch_restarts = 0
         return run
 
@@ -177,9 +174,7 @@ class LocalCentral:
         self._resume = None
         self.epoch = epoch - 1
 
-    def _make_run(
-        self, *, epoch: int, plans: dict[str, StreamPlan], delivered: int = 0, skipped: int = 0
-    ) -> Run:
+    def _make_run(self, *, epoch: int, ckpt: checkpoint.Checkpoint | None) -> Run:
         w = self._config.workers
         policy = Policy(
             timeout_s=w.timeout_s,
@@ -198,7 +193,7 @@ class LocalCentral:
             chain=self._chain,
             segment_chains=self._segment_chains,
             epoch=epoch,
-            plans=plans,
+            resume=ckpt,
             buffer_size=w.buffer_size,
             chunk_size=w.chunk_size,
             policy=policy,
@@ -207,8 +202,6 @@ class LocalCentral:
             dispatch_name=self._boundary,
             executor=executor,
             run_id=self._run_ids,
-            delivered=delivered,
-            skipped=skipped,
             pinner=self._res.pinner,
             chain_lock=self._res.chain_lock,
             warm=warm,
@@ -349,14 +342,14 @@ class LocalCentral:
 
     def _state(self, what: str) -> dict[str, Any]:
         if self._resume is not None:
-            return resume.copy_state(self._resume)
+            return self._resume.state()
         run = self._res.run
         if run is not None:
             body = run.capture(what)
             epoch = run.stream.epoch
         else:
             with hold(self._res.chain_lock, what, self._nodes):
-                body = resume.idle_body([n.name for n in self._segments], self._nodes)
+                body = resume.idle([n.name for n in self._segments], self._nodes)
             epoch = self.epoch
         dist = self._config.distributed
         return resume.assemble(
@@ -375,9 +368,13 @@ class LocalCentral:
         then this pipeline); on any error nothing has changed."""
         ckpt = checkpoint.structure(state_dict)
         checkpoint.check_pipeline(ckpt, self._expected())
+        loaded = resume.pending(state_dict, ckpt)
         # Valid: from here on the loader changes. A stage whose restore still
-        # fails (a re-iterable that got shorter, a user's node) rolls back.
-        before = self._state("load_state_dict()")
+        # fails (a re-iterable that got shorter, a user's node) rolls back to
+        # ``before``, made whole first: the failure path only restores.
+        before = self._resume
+        if before is None:
+            before = resume.pending(self._state("load_state_dict()"))
         self._res.end_run()
         # A `with`: no point between taking the chain lock and guarding its
         # release where an interrupt (Ctrl-C) could land.
@@ -386,7 +383,7 @@ class LocalCentral:
             with hold(self._res.chain_lock, "load_state_dict()", self._nodes):
                 entered = True
                 try:
-                    self._restore(resume.copy_state(state_dict))
+                    self._restore(loaded)
                 except BaseException:
                     self._resume = None
                     self._restore(before)
@@ -399,12 +396,13 @@ class LocalCentral:
             self._resume, self._reload = before, True
             raise
 
-    def _restore(self, sd: dict[str, Any]) -> None:
-        self._ctx.epoch = sd["epoch"]
-        self._nodes[-1].load_flat(dict(sd["central"]))
-        self.epoch = sd["epoch"]
+    def _restore(self, pending: Pending) -> None:
+        ckpt = pending.ckpt
+        self._ctx.epoch = ckpt.epoch
+        self._nodes[-1].load_flat(dict(ckpt.central))
+        self.epoch = ckpt.epoch
         self._stats.epoch_restarts = 0
-        self._resume = sd
+        self._resume = pending
 
     def _expected(self) -> checkpoint.Expected:
         dist = self._config.distributed
@@ -447,8 +445,8 @@ class LocalCentral:
             if run is not None:
                 stamp = run.delivered_stamp()
                 stamped = run.stamped_nodes()
-            elif self._resume is not None and self._resume.get("delivered_stamp") is not None:
-                stamp = self._resume["delivered_stamp"]
+            elif self._resume is not None and self._resume.ckpt.delivered_stamp is not None:
+                stamp = self._resume.ckpt.delivered_stamp
                 stamped = self._stamped
             else:
                 return node.query_state()

@@ -60,9 +60,9 @@ import time
 from collections import deque
 from typing import Any
 
-from centralpipe import resume
+from centralpipe import checkpoint
+from centralpipe.checkpoint.model import empty_entry
 from centralpipe.config import LoaderConfig
-from centralpipe.dispatch.boundary import empty_segment_entry
 from centralpipe.dispatch.nodepool import SharedSegments
 from centralpipe.dispatch.worker.loop import main_alive
 from centralpipe.errors import CheckpointError, PipelineError, ServiceError
@@ -356,7 +356,7 @@ class NodeStream:
                             self.nodes[-1].load_flat(None)
                             self.epoch = epoch
                             self.window = _Window(self, epoch, 0)
-                            self.segments.start(epoch, {})
+                            self.segments.start(epoch, None)
                             self.cond.notify_all()
                             break
                         left = deadline - time.monotonic()
@@ -380,7 +380,7 @@ class NodeStream:
         holds the lock)."""
         window = shard.window
         if window is None:
-            empty = {n.name: empty_segment_entry() for n in self.segments.segments}
+            empty = {n.name: empty_entry() for n in self.segments.segments}
             return dict(self.fresh_states), empty
         if window is not self.window and window.end_states is not None:
             return dict(window.end_states), dict(window.end_segments or {})
@@ -390,7 +390,7 @@ class NodeStream:
         captured = self.segments.capture()
         if captured is not None:
             return captured
-        empty = {n.name: empty_segment_entry() for n in self.segments.segments}
+        empty = {n.name: empty_entry() for n in self.segments.segments}
         return {n.name: n.own_state() for n in self.nodes}, empty
 
     def _stamp(self) -> tuple[tuple[int, float], ...]:
@@ -462,8 +462,7 @@ class NodeStream:
         start = int(shard.get("source_index", shard["index"]))
         self.epoch = merged["epoch"]
         self.window = _Window(self, self.epoch, start)
-        readers = resume.readers(self.nodes)
-        self.segments.start(self.epoch, resume.plans(merged, self._boundary, readers))
+        self.segments.start(self.epoch, checkpoint.structure(merged))
         return merged
 
     def mark_gone(self, local_rank: int, clean: bool) -> None:

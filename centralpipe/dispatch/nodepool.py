@@ -25,7 +25,7 @@ and each parallel stage's in-flight entry at their head (the caller holds
 the chain lock): ``Run.capture``, as in ``central="process"``; every
 rank's ``state_dict()`` carries it with the shared stages' states, and a load
 resumes the stream from the merged state's entries (:meth:`SharedSegments.start`
-with its plans).
+with its entries).
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ import os
 import threading
 from typing import Any
 
+from centralpipe.checkpoint.model import Checkpoint
 from centralpipe.config import LoaderConfig
-from centralpipe.dispatch.boundary import Policy, Run, StreamPlan
+from centralpipe.dispatch.boundary import Policy, Run
 from centralpipe.dispatch.executors.pool import Executor
 from centralpipe.dispatch.executors.preload import server_preload
 from centralpipe.dispatch.executors.procpool import ProcessPool
@@ -82,10 +83,11 @@ class SharedSegments:
         if self.segments and w.num_workers and w.executor == "process":
             check_picklable([n.spec for n in self.segments], w.resolved_start_method())
 
-    def start(self, epoch: int, plans: dict[str, StreamPlan]) -> None:
-        """A new run of the parallel streams for ``epoch``, resuming at ``plans``
-        (empty: the epoch's start). The caller holds the chain lock and has
-        just reset the shared stages to where the run starts."""
+    def start(self, epoch: int, resume: Checkpoint | None) -> None:
+        """A new run of the parallel streams for ``epoch``, resuming the
+        parallel stages' entries of ``resume`` (``None``: the epoch's start).
+        The caller holds the chain lock and has just reset the shared stages
+        to where the run starts."""
         if not self.segments:
             return
         self.stop()
@@ -97,7 +99,7 @@ class SharedSegments:
             chain=self._tip_chain,
             segment_chains=self._chains,
             epoch=epoch,
-            plans={name: plan for name, plan in plans.items() if name in self.stats},
+            resume=resume,
             buffer_size=w.buffer_size,
             chunk_size=w.chunk_size,
             policy=Policy(
@@ -126,7 +128,7 @@ class SharedSegments:
         if run is None:
             return None
         body = run.capture("state_dict()")
-        return body["central"], body["segments"]
+        return body.central, body.segments
 
     def stop(self) -> None:
         """End the current run (bounded); the pool stays for the next."""

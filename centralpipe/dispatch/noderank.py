@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from centralpipe import checkpoint, resume
-from centralpipe.checkpoint import compact
+from centralpipe import checkpoint
+from centralpipe.checkpoint import resume
 from centralpipe.config import LoaderConfig
 from centralpipe.dispatch.local import LocalCentral
 from centralpipe.dispatch.node import NodeShard, NodeStream
@@ -24,25 +24,6 @@ from centralpipe.plan.pipeline import Pipeline
 from centralpipe.stages import Parallel
 
 __all__ = ["RankCentral"]
-
-
-def _add_ahead(body: dict[str, Any], items: list[Any], stamps: list[Any]) -> None:
-    """The items of a rank between its shard's position and the head, after
-    the ones its dispatch stream has in flight (``body``, a run's capture)."""
-    flight = body["in_flight"]
-    had = compact.decode_items(flight["items"])  # compact when they are token arrays
-    # A feeder waiting for a stalled rank (NodeStream.advance) let go of the
-    # chain lock inside its pull: its chunk's items are in flight already,
-    # their seq numbers not yet counted.
-    body["next_seq"] = max(body["next_seq"], flight["first_seq"] + len(had))
-    if not items:
-        return
-    flight["items"] = compact.encode_items([*had, *items])
-    if flight.get("stamps") is not None:
-        flight["stamps"] = [*flight["stamps"], *stamps]
-    if not had:
-        flight["first_seq"] = body["next_seq"]
-    body["next_seq"] += len(items)
 
 
 class RankCentral(LocalCentral):
@@ -70,7 +51,7 @@ class RankCentral(LocalCentral):
 
     def _state(self, what: str) -> dict[str, Any]:
         if self._resume is not None:
-            return resume.copy_state(self._resume)
+            return self._resume.state()
         stream, shard = self._stream, self._nodes[-1]
         with stream.lock:
             run = self._res.run
@@ -78,12 +59,16 @@ class RankCentral(LocalCentral):
                 body = run.capture(what)
                 epoch = run.stream.epoch
             else:
-                body = resume.idle_body([], self._nodes)
+                body = resume.idle([], self._nodes)
                 epoch = self.epoch
             state, items, stamps = shard.ahead()
-            shared, body["segments"] = stream.shared_state(shard)
-            body["central"] = {**shared, shard.name: state}
-        _add_ahead(body, items, stamps)
+            shared, body.segments = stream.shared_state(shard)
+            body.central = {**shared, shard.name: state}
+        # A feeder waiting for a stalled rank (NodeStream.advance) let go of
+        # the chain lock inside its pull: its chunk's items are in flight
+        # already, their seq numbers not yet counted.
+        body.count_seqs()
+        body.extend(items, stamps)
         dist = self._config.distributed
         return resume.assemble(
             body,
@@ -113,6 +98,6 @@ class RankCentral(LocalCentral):
         merged = self._stream.exchange_load(self._local, mine)
         if isinstance(mine, BaseException):
             raise mine
-        sd = resume.copy_state(merged)
+        pending = resume.pending(merged)
         with self._stream.lock:
-            self._restore(sd)
+            self._restore(pending)

@@ -37,11 +37,12 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any, NoReturn, cast
 
+from centralpipe.checkpoint.model import Boundary
 from centralpipe.dispatch.budget import ResultBytes
 from centralpipe.dispatch.capture import Capture
 from centralpipe.dispatch.guard import Wake, new_chain_lock
 from centralpipe.dispatch.stamps import Stamper
-from centralpipe.dispatch.wire.protocol import Chunk, ChunkResult, InFlight, StageFailure
+from centralpipe.dispatch.wire.protocol import Chunk, ChunkResult, StageFailure
 from centralpipe.dispatch.worker.chain import WorkerChain
 from centralpipe.dispatch.worker.ranges import LineRange
 from centralpipe.errors import CheckpointError, WorkerError
@@ -133,7 +134,7 @@ class Stream(Capture):
         chain: WorkerChain,
         epoch: int,
         next_seq: int,
-        resume: InFlight | None,
+        resume: Boundary | None,
         delivered_stamp: Any,
         buffer_size: int | None,
         chunk_size: int | None,
@@ -205,12 +206,18 @@ class Stream(Capture):
         self.took: list[Any] = []
         #: The chunk whose line could not be read (raised as read_lines raises).
         self.read_failed: Chunk | None = None
+        # The resumed inputs still to re-send, as (seq, item, stamp): the
+        # checkpoint's entry (``resume``) unrolled into the queue that pulls
+        # consume and a capture reads; the entry itself is not kept.
         self._resume: deque[tuple[int, Any, Any]] = deque()
         self._resume_skip: set[int] = set()
         self._resume_skip_first = (-1, 0)
         if resume is not None:
             stamps = resume.stamps or [None] * len(resume.items)
-            ranges = resume.ranges
+            # In-flight byte ranges become ranges of lines, read by the tip
+            # (check_pipeline refused ranges for a stage that reads none).
+            reader: Any = tip
+            ranges = [reader.resumed_range(record) for record in resume.ranges]
             seq, r = resume.first_seq, 0
             # A range of lines stays one entry (one chunk when re-sent).
             for k, (item, stamp) in enumerate([*zip(resume.items, stamps), (None, None)]):

@@ -33,6 +33,8 @@ from typing import Any, TypeVar
 
 import attrs
 
+from centralpipe.checkpoint.model import STAMP_KEYS
+
 #: Only centralpipe's own code is interrupted, and not the entry and exit
 #: of its context managers (``__enter__``/``__exit__``). The standard library
 #: is not interrupt-atomic and no caller can make it so (a Ctrl-C that lands
@@ -80,7 +82,6 @@ GROUP_KEYS = frozenset({"groups"})
 #: Keys whose values may legitimately be any number (``count`` weights); the
 #: totals in stamps hold weights too, so numbers there only get a wrong type.
 ANY_NUMBER_KEYS = frozenset({"weight"})
-STAMP_KEYS = frozenset({"delivered_stamp"})
 DAMAGE_KINDS = (
     "wrong-type",
     "negative",

@@ -19,6 +19,7 @@ from itertools import islice
 from typing import Any
 
 import centralpipe as cp
+from centralpipe.checkpoint.model import in_flight_items
 from centralpipe.tools.bench_contenders import Timing, settle
 from centralpipe.tools.bench_workloads import inc, token_len
 
@@ -59,7 +60,7 @@ def _state_run(pipe: cp.Pipeline, workers: int, every: int, start_method: str | 
                 s = clock()
                 sd = loader.state_dict()
                 lat.append(clock() - s)
-                flight.append(sum(len(f["items"]) for f in sd["in_flight"].values()))
+                flight.append(in_flight_items(sd))
         total = clock() - t0
     return StateRun(Timing(n, first, total), lat, flight)
 

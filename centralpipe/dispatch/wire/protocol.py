@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import struct
 import time
-from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
@@ -55,7 +54,6 @@ __all__ = [
     "Chunk",
     "ChunkResult",
     "Encoded",
-    "InFlight",
     "StageFailure",
     "Undecodable",
     "chunk_message",
@@ -209,28 +207,6 @@ class Chunk:
         # their checkpoint form once made (checkpoint.compact): (item count, part).
         self.flats: list[tokens.Flat] | None = None
         self.state_part: tuple[int, Any] | None = None
-
-
-class InFlight:
-    """The in-flight part of a checkpoint: inputs to dispatch again first."""
-
-    def __init__(
-        self,
-        first_seq: int,
-        items: list[Any],
-        stamps: list[Any] | None,
-        skip_outputs: int,
-        skip: Sequence[int],
-        ranges: Sequence[tuple[int, Any]] = (),
-    ) -> None:
-        self.first_seq = first_seq
-        self.items = items
-        self.stamps = stamps
-        self.skip_outputs = skip_outputs
-        self.skip = set(skip)
-        #: ``(at, lines)``: a range of in-flight lines (a sequence whose items
-        #: are those lines) that comes before ``items[at]``.
-        self.ranges = list(ranges)
 
 
 class Encoded(NamedTuple):

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 import centralpipe as cp
+from centralpipe import config
 from centralpipe.dispatch import guard
 from centralpipe.testing import collect
 from tests._configs import loader_config
@@ -79,8 +80,8 @@ def _bounded(fn: Callable[[], Any], timeout_s: float = 20.0) -> Any:
 def short_wait(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
     """A 0.3 s bound for the test; the returned function restores a long one
     (for the calls after the blocked stage is released, on a busy machine)."""
-    monkeypatch.setattr(guard, "CENTRAL_WAIT_S", 0.3)
-    return lambda: monkeypatch.setattr(guard, "CENTRAL_WAIT_S", 30.0)
+    monkeypatch.setattr(config, "CENTRAL_WAIT_S", 0.3)
+    return lambda: monkeypatch.setattr(config, "CENTRAL_WAIT_S", 30.0)
 
 
 @pytest.mark.timeout(60)

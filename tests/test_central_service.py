@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import centralpipe as cp
-from centralpipe.dispatch import rendezvous
+from centralpipe.dispatch import rendezvous, timeouts
 from centralpipe.testing import assert_resumes_exactly
 from tests._leaks import alive
 
@@ -419,9 +419,7 @@ def test_a_service_that_does_not_start_in_time_is_stopped(
 ) -> None:
     """A service not ready within ``START_TIMEOUT_S`` is a ``ServiceError``
     saying so, and it is stopped (no process left)."""
-    from centralpipe.dispatch import client
-
-    monkeypatch.setattr(client, "START_TIMEOUT_S", 1e-6)
+    monkeypatch.setattr(timeouts, "START_TIMEOUT_S", 1e-6)
     with pytest.raises(cp.ServiceError, match=r"did not start within START_TIMEOUT_S=1e-06 s"):
         cp.Loader(_pipe(), _config("service", num_workers=0))
 
@@ -504,7 +502,7 @@ def test_a_silent_peer_is_dropped_after_the_handshake_timeout(
 ) -> None:
     """A peer that connects and sends nothing is dropped, not waited on."""
     sock, path = listener
-    monkeypatch.setattr(rendezvous, "HANDSHAKE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(timeouts, "HANDSHAKE_TIMEOUT_S", 0.2)
     peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     peer.connect(path)
     try:

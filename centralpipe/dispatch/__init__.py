@@ -43,6 +43,8 @@ Main process, one pass of the Loader:
 - ``guard``     the chain lock, the one lock held across user code, and
   the bounded waits on it.
 - ``pinning``   pinning delivered tensors (``pin_memory=True``) in a thread.
+- ``timeouts`` [worker] every time bound of the machinery, in seconds, with
+  what it bounds and why that value (read at each wait; imports nothing).
 
 ``executors/``, where the workers run (main process):
 
@@ -112,11 +114,12 @@ Who runs what:
   ``LOCK_SLICE_S`` between items and yields to a waiting reader, but one
   ``next()`` of the chain is atomic (a stage's state mid-call is not a
   position) — a source blocked on a read, or a parallel stage waiting for a
-  hung worker, holds it. They wait at most ``guard.CENTRAL_WAIT_S`` (60 s),
+  hung worker, holds it. They wait at most ``centralpipe.config.CENTRAL_WAIT_S`` (60 s),
   then raise ``TimeoutError`` naming the stage (read from the threads'
   stacks), having changed nothing: never an inexact state.
 
-Who blocks on what, and the bound (every wait is at most ``POLL_S`` and
+Who blocks on what, and the bound (every bound is in ``timeouts``, with its
+unit and reason; every wait is at most ``POLL_S`` and
 re-checks for stop and errors; ``Session.wake`` is the one condition that
 results, re-sends, errors and room in a buffer notify):
 
@@ -163,7 +166,7 @@ feeder (``STOP_TIMEOUT_S``) while the supervisor keeps reading, then kill
 workers if it is stuck in a send (one inside a central ``next()`` is not
 waited for: it leaves when that call returns) → stop the supervisor → at
 ``close()``:
-close our pipe ends (workers read EOF) → join (``_JOIN_TIMEOUT_S``) →
+close our pipe ends (workers read EOF) → join (``JOIN_TIMEOUT_S``) →
 terminate → kill. Threads get an end-of-input marker and a short join; a
 thread stuck in user code is left as a daemon. ``close()`` is idempotent and
 a ``weakref.finalize`` runs it if the Loader is garbage collected. The

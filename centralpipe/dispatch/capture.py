@@ -108,7 +108,7 @@ class Capture:
         """``with s.reading(what), s.lock:`` holds both locks to read state.
         The central thread yields to waiting readers between pull slices, so
         a reader waits for at most one ``next()`` of the chain, and never
-        longer than ``CENTRAL_WAIT_S`` (then ``TimeoutError`` naming the stage
+        longer than ``config.CENTRAL_WAIT_S`` (then ``TimeoutError`` naming the stage
         that keeps the chain). Both locks are released at C level (see
         :class:`~centralpipe.dispatch.guard.Holding`): no interrupt can leave
         either held."""

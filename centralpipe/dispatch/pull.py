@@ -24,29 +24,20 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from centralpipe.dispatch import timeouts
 from centralpipe.dispatch.reorder import FIRST_CHUNK, Stream
-from centralpipe.dispatch.supervisor import POLL_S
 from centralpipe.dispatch.wire.protocol import Chunk
 from centralpipe.dispatch.worker.ranges import LineRange
 
 __all__ = [
-    "FLUSH_S",
-    "LOCK_SLICE_S",
     "MAX_CHUNK",
     "MAX_CHUNK_RESULT_BYTES",
     "PULL_BURST",
-    "TARGET_CHUNK_S",
     "has_room",
     "pull_chunk",
     "target_chunk",
 ]
 
-#: A chunk being filled is sent after this long even if not full.
-FLUSH_S = 0.02
-#: The feeder releases the lock at least this often while pulling.
-LOCK_SLICE_S = 0.0005
-#: Work per chunk the adaptive chunk size aims at.
-TARGET_CHUNK_S = 0.005
 MAX_CHUNK = 1024
 #: Most result bytes per chunk (as measured): a quarter of the default
 #: shared-memory ring, so a worker writes its next results while the main
@@ -70,7 +61,7 @@ def _chunk_target(s: Stream) -> int:
     elif s.cost_per_item <= 0:
         n = FIRST_CHUNK
     else:
-        n = max(1, min(MAX_CHUNK, int(TARGET_CHUNK_S / s.cost_per_item)))
+        n = max(1, min(MAX_CHUNK, int(timeouts.TARGET_CHUNK_S / s.cost_per_item)))
         per_item = s.stats.bytes_per_item  # measured by dispatch.budget; < 0: not yet
         if per_item > 0:
             n = max(1, min(n, int(MAX_CHUNK_RESULT_BYTES / per_item)))
@@ -224,7 +215,7 @@ def _fill_range(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chu
         if s._readers:
             time.sleep(0)  # let a waiting state_dict()/query() take the lock first
         try:
-            acquired = chain_lock.acquire(timeout=POLL_S)
+            acquired = chain_lock.acquire(timeout=timeouts.POLL_S)
             if not acquired:
                 if s.stopping:
                     break
@@ -292,7 +283,7 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
         # (Ctrl-C) can land as the acquire returns, before any flag could
         # record it, and a lock kept then would time out every state_dict().
         try:
-            acquired = chain_lock.acquire(timeout=POLL_S)
+            acquired = chain_lock.acquire(timeout=timeouts.POLL_S)
             if not acquired:
                 if s.stopping:
                     break
@@ -300,7 +291,7 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
             if s.stopping:
                 break
             t0 = time.perf_counter()
-            slice_end = t0 + LOCK_SLICE_S
+            slice_end = t0 + timeouts.LOCK_SLICE_S
             while resume and len(items) < target:
                 seq, item, stamp = resume[0]
                 if isinstance(item, LineRange):
@@ -355,9 +346,9 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
             now = time.perf_counter()
             if added:
                 # Slow central stages get a look at the clock after every
-                # item, so the lock is never held much past LOCK_SLICE_S.
+                # item, so the lock is never held much past timeouts.LOCK_SLICE_S.
                 per_item = max(1e-9, (now - t0) / added)
-                s._burst = max(1, min(most, int(LOCK_SLICE_S / per_item / 4)))
+                s._burst = max(1, min(most, int(timeouts.LOCK_SLICE_S / per_item / 4)))
             with s.lock:
                 if exhausted:
                     s.exhausted = True
@@ -365,7 +356,7 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
                 _count(s, chunk, counted)
                 s.stats.wait_central_s += now - t0
                 done = s.exhausted or len(items) >= target or bool(resume)
-                if done or now - started > FLUSH_S:
+                if done or now - started > timeouts.FLUSH_S:
                     if not items:
                         s.pending.remove(chunk)
                         del s.by_cid[chunk.cid]

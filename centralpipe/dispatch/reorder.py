@@ -37,6 +37,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any, NoReturn, cast
 
+from centralpipe.dispatch import timeouts
 from centralpipe.dispatch.budget import ResultBytes
 from centralpipe.dispatch.capture import Capture
 from centralpipe.dispatch.guard import Wake, new_chain_lock
@@ -53,8 +54,6 @@ __all__ = ["FIRST_CHUNK", "Driver", "Outputs", "Stamper", "Stream", "StreamStats
 logger = logging.getLogger("centralpipe")
 
 FIRST_CHUNK = 16
-#: How often the consumer, waiting for the pin thread, checks for a stop.
-_PIN_POLL_S = 0.1
 
 
 class Driver(abc.ABC):
@@ -464,7 +463,7 @@ class Stream(Capture):
         future = chunk.pinned
         while True:
             try:
-                pinned = future.result(timeout=_PIN_POLL_S)
+                pinned = future.result(timeout=timeouts.PIN_POLL_S)
                 break
             except concurrent.futures.TimeoutError:
                 if self.stopping:

@@ -30,10 +30,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from centralpipe.dispatch import timeouts
 from centralpipe.dispatch.guard import busy_stage
 from centralpipe.dispatch.pull import has_room, pull_chunk, target_chunk
 from centralpipe.dispatch.reorder import FIRST_CHUNK, Driver, Stream
-from centralpipe.dispatch.supervisor import POLL_S, Session
+from centralpipe.dispatch.supervisor import Session
 from centralpipe.dispatch.wire import protocol
 from centralpipe.dispatch.wire.protocol import Chunk, ChunkResult, StageFailure
 from centralpipe.dispatch.worker.loop import result_message, run_received
@@ -300,7 +301,7 @@ class SegmentDriver(Driver):
                 continue  # keep the workers fed before waiting
             session.wake.wait_unless(
                 lambda: _head_ready(s) or bool(session.resend) or session.error is not None,
-                POLL_S,
+                timeouts.POLL_S,
             )
 
 
@@ -342,7 +343,7 @@ class FeederDriver(Driver):
                 drain_resends(session)
                 if not self._room():
                     session.wake.wait_unless(
-                        lambda: s.stopping or bool(session.resend) or self._room(), POLL_S
+                        lambda: s.stopping or bool(session.resend) or self._room(), timeouts.POLL_S
                     )
                     continue
                 chunk = pull_chunk(s)
@@ -371,7 +372,7 @@ class FeederDriver(Driver):
                 session.check()
                 session.wake.wait_unless(
                     lambda: _head_ready(s) or session.error is not None or self.error is not None,
-                    POLL_S,
+                    timeouts.POLL_S,
                 )
         finally:
             s.stats.wait_workers_s += time.perf_counter() - started

@@ -22,6 +22,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
+from centralpipe.dispatch import timeouts
 from centralpipe.dispatch.budget import ResultBytes
 from centralpipe.dispatch.executors.pool import Executor, Slot
 from centralpipe.dispatch.guard import Wake, join_started
@@ -30,16 +31,7 @@ from centralpipe.dispatch.wire import protocol
 from centralpipe.dispatch.wire.protocol import MSG_RESULT, MSG_STATES, Chunk, StageFailure
 from centralpipe.errors import WorkerError
 
-__all__ = ["POLL_S", "Policy", "Session"]
-
-#: Longest single wait of any thread before it re-checks for stop and errors.
-POLL_S = 0.1
-#: How long stopping a session may take before stuck workers are killed.
-STOP_TIMEOUT_S = 5.0
-#: How long worker_states() waits for every worker's answer.
-STATES_TIMEOUT_S = 30.0
-#: With ``timeout_s`` set, how long a worker that owes results may take to start up.
-STARTUP_GRACE_S = 30.0
+__all__ = ["Policy", "Session"]
 
 
 class Policy:
@@ -131,7 +123,7 @@ class Session:
         try:
             while not self.stopping:
                 self._paused = paused = self._pause()
-                for event in self.executor.wait(POLL_S, paused):
+                for event in self.executor.wait(timeouts.POLL_S, paused):
                     if self.stopping:
                         break
                     if event.message is None:
@@ -218,7 +210,7 @@ class Session:
                 self._owed_since.pop(slot.index, None)
                 continue
             since = self._owed_since.setdefault(slot.index, now)
-            allowed = timeout_s if slot.ready() else max(timeout_s, STARTUP_GRACE_S)
+            allowed = timeout_s if slot.ready() else max(timeout_s, timeouts.STARTUP_GRACE_S)
             if now - since > allowed:
                 self._owed_since.pop(slot.index, None)
                 self._recover(slot, hung=True)
@@ -247,7 +239,7 @@ class Session:
             ex.kill(slot)
             what = f"hung for more than timeout_s={timeout_s}"
             if not slot.ready():
-                what = f"did not start within {max(timeout_s or 0, STARTUP_GRACE_S)} s"
+                what = f"did not start within {max(timeout_s or 0, timeouts.STARTUP_GRACE_S)} s"
         else:
             what = ex.exit_text(slot)
             if not slot.ready():
@@ -339,7 +331,7 @@ class Session:
             for slot in self.executor.slots:
                 with slot.send_lock:
                     self.executor.send_control(slot, (MSG_STATES,))
-            deadline = time.monotonic() + STATES_TIMEOUT_S
+            deadline = time.monotonic() + timeouts.STATES_TIMEOUT_S
 
             def answered() -> bool:
                 return len(self.states) >= len(self.executor.slots) or self.error is not None
@@ -349,8 +341,8 @@ class Session:
                 if left <= 0:
                     missing = [s.index for s in self.executor.slots if s.index not in self.states]
                     msg = f"workers {missing} did not answer a state request in "
-                    raise RuntimeError(f"{msg}{STATES_TIMEOUT_S} s.")
-                self.wake.wait_unless(answered, min(left, POLL_S))
+                    raise RuntimeError(f"{msg}{timeouts.STATES_TIMEOUT_S} s.")
+                self.wake.wait_unless(answered, min(left, timeouts.POLL_S))
         finally:
             self.asking = False
         self.check()
@@ -373,12 +365,12 @@ class Session:
         self.executor.set_run(self.run_id + 1)
         self.notify()
         if sender is not None and sender is not threading.current_thread():
-            deadline = time.monotonic() + STOP_TIMEOUT_S
-            join_started(sender, POLL_S)
+            deadline = time.monotonic() + timeouts.STOP_TIMEOUT_S
+            join_started(sender, timeouts.POLL_S)
             while sender.is_alive() and time.monotonic() < deadline:
                 if in_central is not None and in_central():
                     break
-                sender.join(POLL_S)
+                sender.join(timeouts.POLL_S)
             else:
                 if sender.is_alive():
                     for slot in self.executor.slots:
@@ -387,5 +379,5 @@ class Session:
         self.stopping = True
         self.executor.interrupt()
         if self.launched and self.thread is not threading.current_thread():
-            join_started(self.thread, STOP_TIMEOUT_S)
+            join_started(self.thread, timeouts.STOP_TIMEOUT_S)
         self.stopped = True

@@ -166,7 +166,7 @@ class ProcessPool(Executor):
             return None
         return int(self.ring_bytes * shm.LEND_SHARE) * len(self.slots)
 
-    def transport_bytes(self) -> dict[str, int]:
+    def transport_bytes(self) -> dict[str, int] | None:
         """Out-of-band result bytes received through the workers' shared-memory
         rings (of which lent: delivered without a copy) and through their
         pipes, since the pool started."""

@@ -24,8 +24,8 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
-from types import CodeType, FrameType
+from collections.abc import Callable, Sequence
+from types import FrameType
 from typing import Any
 
 from centralpipe import config
@@ -164,30 +164,25 @@ def hold(lock: threading.RLock, what: str, nodes: Sequence[Any]) -> Holding:
     return Holding(lock, what, nodes)
 
 
-def busy_stage(
-    nodes: Sequence[Any], ident: int | None = None, unless: Collection[CodeType] = ()
-) -> tuple[Any, int] | None:
+def busy_stage(nodes: Sequence[Any], ident: int | None = None) -> tuple[Any, int] | None:
     """The innermost of ``nodes`` that a thread (``ident``, or any other
-    than the caller) is running, and that thread's ident; ``None`` if none
-    is, or if the thread is running one of the functions ``unless`` inside
-    it (e.g. a send to a worker).
+    than the caller) is running, and that thread's ident; ``None`` if none is.
 
-    Read from the threads' stacks, so the chain pays nothing per item."""
+    Read from the threads' stacks, so the chain pays nothing per item; used
+    to name the stage in an error, never to decide what to do."""
     ids = {id(n) for n in nodes}
     me = threading.get_ident()
     for tid, frame in sys._current_frames().items():
         if tid == me or (ident is not None and tid != ident):
             continue
-        node = _innermost(frame, ids, unless)
+        node = _innermost(frame, ids)
         if node is not None:
             return node, tid
     return None
 
 
-def _innermost(frame: FrameType | None, ids: set[int], unless: Collection[CodeType]) -> Any:
+def _innermost(frame: FrameType | None, ids: set[int]) -> Any:
     while frame is not None:
-        if frame.f_code in unless:
-            return None
         owner = frame.f_locals.get("self")
         if owner is not None and id(owner) in ids:
             return owner

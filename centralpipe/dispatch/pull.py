@@ -216,6 +216,7 @@ def _fill_range(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chu
             time.sleep(0)  # let a waiting state_dict()/query() take the lock first
         try:
             acquired = chain_lock.acquire(timeout=timeouts.POLL_S)
+            s.in_chain = acquired
             if not acquired:
                 if s.stopping:
                     break
@@ -255,6 +256,7 @@ def _fill_range(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chu
                     s.stats.range_lines += n
                 return chunk
         finally:
+            s.in_chain = False
             try:
                 chain_lock.release()
             except RuntimeError:  # not taken (timed out, or interrupted in the wait)
@@ -284,6 +286,7 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
         # record it, and a lock kept then would time out every state_dict().
         try:
             acquired = chain_lock.acquire(timeout=timeouts.POLL_S)
+            s.in_chain = acquired
             if not acquired:
                 if s.stopping:
                     break
@@ -365,6 +368,7 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
                     s.stats.dispatched += len(items)
                     return chunk
         finally:
+            s.in_chain = False
             try:
                 chain_lock.release()
             except RuntimeError:  # not taken (timed out, or interrupted in the wait)

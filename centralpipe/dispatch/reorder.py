@@ -180,6 +180,10 @@ class Stream(Capture):
         #: dispatch stream (it outlives runs); a parallel stage's stream is
         #: only pulled under that one already.
         self.chain_lock = new_chain_lock() if chain_lock is None else chain_lock
+        #: The thread pulling this stream holds the chain lock (runs the
+        #: central chain): set by ``dispatch.pull`` once it has the lock,
+        #: cleared before it lets it go.
+        self.in_chain = False
         self._chain_nodes = tip.chain()
         #: The bookkeeping lock: never held across user code.
         self.lock = threading.Lock()

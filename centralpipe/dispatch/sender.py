@@ -31,7 +31,6 @@ from collections.abc import Callable
 from typing import Any
 
 from centralpipe.dispatch import timeouts
-from centralpipe.dispatch.guard import busy_stage
 from centralpipe.dispatch.pull import has_room, pull_chunk, target_chunk
 from centralpipe.dispatch.reorder import FIRST_CHUNK, Driver, Stream
 from centralpipe.dispatch.supervisor import Session
@@ -153,22 +152,30 @@ def send_chunk(session: Session, s: Stream, chunk: Chunk) -> None:
     if chunk.slot < 0:
         chunk.slot = session.next_slot()
     slot = ex.slots[chunk.slot]
-    with slot.send_lock:
-        if chunk.sent_gen == slot.gen or chunk.result is not None:
-            return
-        encoded = encode_chunk(session.run_id, s, chunk)
-        # Marked sent before writing: the result (or a request to send the
-        # chunk again per item) may come back before the write returns. A
-        # failed write means a dead worker: its replacement bumps ``gen``.
-        chunk.sent_gen = slot.gen
-        try:
-            ex.send(slot, encoded)
-        except BaseException:
-            # Cut short (Ctrl-C): not known to be sent. A worker process
-            # that may hold part of it is replaced by the executor (and the
-            # chunk sent again); a worker thread is sent it again.
-            chunk.sent_gen = -1
-            raise
+    # ``session.sending`` tells a stop that this thread waits on a worker, not
+    # on a central stage (FeederDriver.in_central). A send from inside a
+    # parallel stage's next() restores the outer value (False) as it ends.
+    outer = session.sending
+    session.sending = True
+    try:
+        with slot.send_lock:
+            if chunk.sent_gen == slot.gen or chunk.result is not None:
+                return
+            encoded = encode_chunk(session.run_id, s, chunk)
+            # Marked sent before writing: the result (or a request to send the
+            # chunk again per item) may come back before the write returns. A
+            # failed write means a dead worker: its replacement bumps ``gen``.
+            chunk.sent_gen = slot.gen
+            try:
+                ex.send(slot, encoded)
+            except BaseException:
+                # Cut short (Ctrl-C): not known to be sent. A worker process
+                # that may hold part of it is replaced by the executor (and the
+                # chunk sent again); a worker thread is sent it again.
+                chunk.sent_gen = -1
+                raise
+    finally:
+        session.sending = outer
 
 
 def drain_resends(session: Session) -> None:
@@ -305,10 +312,6 @@ class SegmentDriver(Driver):
             )
 
 
-#: A feeder in these is not stuck in a central stage (a worker may unblock it).
-_SEND_CODES = frozenset({send_chunk.__code__})
-
-
 class FeederDriver(Driver):
     """The dispatch boundary over the workers: a feeder thread pulls chunks
     from the central chain and sends them; the consumer waits for results."""
@@ -326,12 +329,12 @@ class FeederDriver(Driver):
         self.launched = True
         self.thread.start()
 
-    def _in_central(self) -> bool:
-        """The feeder is inside a central ``next()`` (not sending to a worker)."""
-        ident = self.thread.ident
-        if ident is None:  # not started
-            return False
-        return busy_stage(self.stream._chain_nodes, ident, _SEND_CODES) is not None
+    def in_central(self) -> bool:
+        """The feeder is inside a central ``next()`` (holds the chain lock to
+        pull: ``Stream.in_chain``) and not sending to a worker
+        (``Session.sending``): a stop does not wait for it, as only that
+        ``next()`` returning can free it."""
+        return self.stream.in_chain and not self.session.sending
 
     def _room(self) -> bool:
         return has_room(self.stream) and self.session.held.may_pull(self.stream)
@@ -379,7 +382,7 @@ class FeederDriver(Driver):
 
     def stop(self) -> None:
         sender = self.thread if self.launched else None
-        self.session.stop(sender=sender, in_central=self._in_central)
+        self.session.stop(sender=sender, in_central=self.in_central)
 
     def worker_states(self) -> list[Any] | None:
         return self.session.worker_states()

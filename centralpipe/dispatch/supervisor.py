@@ -74,6 +74,11 @@ class Session:
         self.error: BaseException | None = None
         #: Set first when the run is stopped: senders and waiters give up.
         self.abandoned = False
+        #: The sending thread is in :func:`~centralpipe.dispatch.sender.send_chunk`
+        #: (encoding a chunk or writing it to a worker), even from inside a
+        #: parallel stage's ``next()``: a worker may unblock it, so it is not
+        #: stuck in a central stage. Written by the sending thread alone.
+        self.sending = False
         self.stopping = False
         self.strikes: dict[tuple[int, int], int] = defaultdict(int)
         self.states: dict[int, Any] = {}

@@ -36,6 +36,8 @@ Main process, one pass of the Loader:
 - ``reorder``   a :class:`~centralpipe.dispatch.reorder.Stream`: in-order
   delivery of its results.
 - ``capture``   the checkpoint capture of a stream's in-flight inputs.
+- ``chunk``     a :class:`~centralpipe.dispatch.chunk.Chunk`: consecutive items
+  of a stream from their pull to their delivery, and every change of its state.
 - ``stamps``    the ``count``/``shard`` totals each dispatched item carries.
 - ``supervisor`` receiving every result; deaths, hangs, poison items, restarts.
 - ``budget``    the bytes of results held before their turn, and the bound
@@ -56,7 +58,7 @@ Main process, one pass of the Loader:
 
 ``wire/``, what both processes share (torch-free):
 
-- ``wire.protocol`` [worker] messages, chunks, results, worker status slots;
+- ``wire.protocol`` [worker] messages (a chunk's items, results), worker status slots;
   the only user of ``transport``, so another transport plugs in there.
 - ``wire.transport`` [worker] serialisation and framing of one message.
 - ``wire.plain`` [worker] results that are plain tensors and arrays in the ring,

@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from centralpipe.checkpoint.compact import join_parts, pack_part, part_of_flats
+from centralpipe.dispatch.chunk import Chunk
 from centralpipe.dispatch.guard import Holding
-from centralpipe.dispatch.wire.protocol import Chunk
 from centralpipe.dispatch.worker.ranges import LineRange
 from centralpipe.stages import CentralNode
 
@@ -43,7 +43,7 @@ def _chunk_part(chunk: Chunk) -> Any:
     if part is None:
         part = pack_part(chunk.items)
     if chunk.closed:  # its items are final
-        chunk.state_part = (n, part)
+        chunk.cache_state_part(n, part)
     return part
 
 

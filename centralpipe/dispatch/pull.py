@@ -25,8 +25,8 @@ import time
 from typing import Any
 
 from centralpipe.dispatch import timeouts
+from centralpipe.dispatch.chunk import Chunk
 from centralpipe.dispatch.reorder import FIRST_CHUNK, Stream
-from centralpipe.dispatch.wire.protocol import Chunk
 from centralpipe.dispatch.worker.ranges import LineRange
 
 __all__ = [
@@ -152,7 +152,7 @@ def _keep(s: Stream, chunk: Chunk, counted: list[int]) -> None:
     took = s.took
     if took and not chunk.items:
         # Cut between the reader's hand-out of a range and its store.
-        chunk.items = took[0]
+        chunk.set_items(took[0])
     s.took = []
     stamps = chunk.stamps
     try:
@@ -173,7 +173,7 @@ def _keep(s: Stream, chunk: Chunk, counted: list[int]) -> None:
             if chunk.closed:
                 pass
             elif chunk.items:
-                chunk.closed = True
+                chunk.close()
                 s.stats.dispatched += len(chunk.items)
             elif chunk in s.pending:
                 s.pending.remove(chunk)
@@ -190,14 +190,13 @@ def _fill_resumed_range(s: Stream, chunk: Chunk, target: int, counted: list[int]
         poison = s._resume_skip
         skip = {i for i in range(n) if seq + i in poison} if poison else set()
         first = s._resume_skip_first
-        # No call from here to the popleft: in the chunk or still to resume.
-        chunk.skip = skip
-        if seq == first[0]:
-            chunk.skip_first = first[1]
-        chunk.items = lines
+        # From the chunk's update (an interrupt lands at its entry, before
+        # its writes) to the popleft, no call: in the chunk or still to resume.
+        skip_first = first[1] if seq == first[0] else None
+        chunk.take_resumed(lines, skip, skip_first)
         s._resume.popleft()
         _count(s, chunk, counted)
-        chunk.closed = True
+        chunk.close()
         s.stats.dispatched += n
         s.stats.range_lines += n
     return chunk
@@ -236,7 +235,7 @@ def _fill_range(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chu
                 error = exc
                 exhausted = True
             if took:
-                chunk.items = took[0]
+                chunk.set_items(took[0])
             s.took = []
             now = time.perf_counter()
             with s.lock:
@@ -249,7 +248,7 @@ def _fill_range(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chu
                     s.pending.remove(chunk)
                     del s.by_cid[chunk.cid]
                     return None
-                chunk.closed = True
+                chunk.close()
                 n = len(chunk.items)
                 s.stats.dispatched += n
                 if not isinstance(chunk.items, list):  # a range, not lines of a remote file
@@ -268,7 +267,6 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
     started = time.perf_counter()
     one = s.tip.pull_into
     items, stamps = chunk.items, chunk.stamps
-    append = items.append
     # Without stamps, items come in bulk (``pull_into``): a source or a
     # parallel stage hands out a slice at a time instead of one per call.
     pull = s.tip.pull_into if stamps is None else None
@@ -301,15 +299,13 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
                     break  # a chunk of its own, next
                 if stamps is not None and stamp is None:
                     stamp = s._stamp_now()
-                # From here to the popleft no function is called: an item is
-                # in the chunk or still to resume, never both or neither.
-                if seq in s._resume_skip:
-                    chunk.skip.add(len(items))
-                if seq == s._resume_skip_first[0]:
-                    chunk.skip_first = s._resume_skip_first[1]
-                if stamps is not None:
-                    stamps.append(stamp)
-                append(item)
+                poison = seq in s._resume_skip
+                first = s._resume_skip_first
+                skip_first = first[1] if seq == first[0] else None
+                # From the chunk's update (an interrupt lands at its entry,
+                # before its writes) to the popleft no Python function runs:
+                # an item is in the chunk or still to resume (``_keep``).
+                chunk.add_resumed(item, stamp, poison, skip_first)
                 resume.popleft()
             before = len(items)
             exhausted = False
@@ -364,7 +360,7 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
                         s.pending.remove(chunk)
                         del s.by_cid[chunk.cid]
                         return None
-                    chunk.closed = True
+                    chunk.close()
                     s.stats.dispatched += len(items)
                     return chunk
         finally:

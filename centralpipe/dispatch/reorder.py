@@ -40,9 +40,10 @@ from typing import Any, NoReturn, cast
 from centralpipe.dispatch import timeouts
 from centralpipe.dispatch.budget import ResultBytes
 from centralpipe.dispatch.capture import Capture
+from centralpipe.dispatch.chunk import Chunk
 from centralpipe.dispatch.guard import Wake, new_chain_lock
 from centralpipe.dispatch.stamps import Stamper
-from centralpipe.dispatch.wire.protocol import Chunk, ChunkResult, InFlight, StageFailure
+from centralpipe.dispatch.wire.protocol import ChunkResult, InFlight, StageFailure
 from centralpipe.dispatch.worker.chain import WorkerChain
 from centralpipe.dispatch.worker.ranges import LineRange
 from centralpipe.errors import CheckpointError, WorkerError
@@ -276,7 +277,7 @@ class Stream(Capture):
             if k > counts[0] and not failed_first:
                 # Only a worker flat_map makes several outputs per input, and
                 # only running it tells how many: checked here, before delivery.
-                chunk.bad_skip = (
+                chunk.mark_bad_skip(
                     f"damaged checkpoint: in_flight['{self.dispatch_name}'].skip_outputs must "
                     f"be <= {counts[0]} (the outputs of item seq {chunk.first_seq}), got {k}."
                 )
@@ -306,7 +307,7 @@ class Stream(Capture):
                 failures=kept or None, counts=result.counts or [1] * len(chunk.items)
             )
         if self.pinner is not None and result.outputs:
-            chunk.pinned = self.pinner.submit(result.outputs)
+            chunk.set_pinned(self.pinner.submit(result.outputs))
         return result
 
     # -- delivery --------------------------------------------------------------
@@ -419,7 +420,7 @@ class Stream(Capture):
         if _is_read_failure(chunk, failure):
             # As read_lines raises it: a central stage's error, after the
             # lines before it; the stream ends (a checkpoint resumes after it).
-            chunk.raised_at = failure.at
+            chunk.mark_raised(failure.at)
             self.read_failed = chunk
             self.broken = True
             lines = cast(LineRange, chunk.items)
@@ -441,7 +442,7 @@ class Stream(Capture):
             remote_traceback=failure.traceback or None,
             exitcode=failure.exitcode,
         )
-        chunk.raised_at = failure.at
+        chunk.mark_raised(failure.at)
         self.broken = True
         self._ended = True
         raise error
@@ -482,8 +483,7 @@ class Stream(Capture):
                 self._ending = True
                 self._end()
         result = result._replace(outputs=pinned)
-        chunk.result = result
-        chunk.pinned = None
+        chunk.put_pinned(result)
         return result
 
     def _retire(self, chunk: Chunk) -> None:

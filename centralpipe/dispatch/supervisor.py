@@ -24,11 +24,12 @@ from typing import Any
 
 from centralpipe.dispatch import timeouts
 from centralpipe.dispatch.budget import ResultBytes
+from centralpipe.dispatch.chunk import Chunk
 from centralpipe.dispatch.executors.pool import Executor, Slot
 from centralpipe.dispatch.guard import Wake, join_started
 from centralpipe.dispatch.reorder import Stream, StreamStats, logger
 from centralpipe.dispatch.wire import protocol
-from centralpipe.dispatch.wire.protocol import MSG_RESULT, MSG_STATES, Chunk, StageFailure
+from centralpipe.dispatch.wire.protocol import MSG_RESULT, MSG_STATES, StageFailure
 from centralpipe.errors import WorkerError
 
 __all__ = ["Policy", "Session"]
@@ -170,7 +171,7 @@ class Session:
             stream.stats.items_per_worker[slot.index] += len(chunk.items)
             sized = stream.stats.bytes_per_item >= 0
             self.held.add(stream, chunk, nbytes)
-            chunk.result = stream.accept(chunk, result)
+            chunk.put_result(stream.accept(chunk, result))
             # Only the head chunk's result is waited for (a result never makes
             # room, except the first, which tells the stream's size): a later
             # chunk is found ready by the reader before it waits (``wake`` is
@@ -185,8 +186,7 @@ class Session:
     def _resend_per_item(self, stream: Stream, chunk: Chunk) -> None:
         if chunk.per_item:  # cannot happen: each item is sealed on its own
             raise RuntimeError(f"chunk {chunk.cid} cannot be decoded even item by item")
-        chunk.per_item = True
-        chunk.sent_gen = -1
+        chunk.resend_per_item()
         self.resend.append((stream, chunk))
         self.notify()
 
@@ -308,7 +308,7 @@ class Session:
         if stage:
             text += f" in stage '{stage}'"
         if stream.on_error == "skip":
-            chunk.skip = chunk.skip | {at}  # a new set: readers may be iterating the old one
+            chunk.add_skip(at)
             stream.stats.skipped += 1
             logger.warning("skipping %s", text)
             return
@@ -322,7 +322,7 @@ class Session:
         # Not raised here: the chunk is re-sent without the item, and the
         # error is raised in its place, after every item before it.
         failure = StageFailure(at, stage, "", "", "", text=text + hint, exitcode=exitcode)
-        chunk.unsendable = [*chunk.unsendable, failure]  # a new list: readers may iterate
+        chunk.add_failure(failure)
 
     # -- control ---------------------------------------------------------------
 

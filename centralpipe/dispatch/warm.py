@@ -50,10 +50,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from centralpipe.dispatch.chunk import Chunk
 from centralpipe.dispatch.executors.pool import Executor
 from centralpipe.dispatch.reorder import Driver
 from centralpipe.dispatch.sender import InlineDriver
-from centralpipe.dispatch.wire.protocol import Chunk
 
 if TYPE_CHECKING:
     from centralpipe.dispatch.boundary import Run

@@ -31,11 +31,14 @@ Main process, one pass of the Loader:
 - ``warm``      the inline warm start: the first chunks run in the main process
   while the workers start.
 - ``pull``      pulling a chunk from the central chain into a stream.
+- ``pullstate`` the pull's part of a stream's state: the checkpoint's in-flight
+  inputs to dispatch again first, its burst (``Stream.pulls``).
 - ``sender``    sending chunks round-robin; the drivers (inline, feeder
   thread, parallel stage).
 - ``reorder``   a :class:`~centralpipe.dispatch.reorder.Stream`: in-order
   delivery of its results.
-- ``capture``   the checkpoint capture of a stream's in-flight inputs.
+- ``capture``   the checkpoint capture of a stream's in-flight inputs: a
+  collaborator that reads the stream (``Stream.checkpoint``), never a mixin.
 - ``chunk``     a :class:`~centralpipe.dispatch.chunk.Chunk`: consecutive items
   of a stream from their pull to their delivery, and every change of its state.
 - ``stamps``    the ``count``/``shard`` totals each dispatched item carries.

@@ -97,7 +97,7 @@ def pull_chunk(s: Stream) -> Chunk | None:
     items pulled so far are kept in the chunk, closed (:func:`_keep`): the
     drivers then run it like any other, so the pass goes on exactly."""
     target = target_chunk(s)
-    stamped = bool(s._stamped)
+    stamped = bool(s.stamped_nodes())
     counted = [0]  # items of the chunk already counted in next_seq and in_flight
     chunk: Chunk | None = None
     # The chunk is registered inside the try, in pending last: CPython may
@@ -110,12 +110,12 @@ def pull_chunk(s: Stream) -> Chunk | None:
                 return None
             if s.buffer_size is not None:
                 target = max(1, min(target, s.buffer_size - s.in_flight))
-            first_seq = s._resume[0][0] if s._resume else s.next_seq
+            first_seq = s.pulls.resume[0][0] if s.pulls.resume else s.next_seq
             new = Chunk(s.next_cid, first_seq, stamped)
             # A resumed range is one chunk; new ranges once nothing is to resume.
-            if s._resume and isinstance(s._resume[0][1], LineRange):
+            if s.pulls.resume and isinstance(s.pulls.resume[0][1], LineRange):
                 fill = _fill_resumed_range
-            elif s.ranges is not None and not s._resume:
+            elif s.ranges is not None and not s.pulls.resume:
                 fill = _fill_range
             else:
                 fill = _fill
@@ -149,11 +149,11 @@ def _keep(s: Stream, chunk: Chunk, counted: list[int]) -> None:
     """The chunk being filled was cut short (Ctrl-C, or a bug of ours): keep
     what it holds as a closed chunk, or drop it if empty. No stage has moved
     since its last item was pulled, so a missing stamp is taken now."""
-    took = s.took
+    took = s.pulls.took
     if took and not chunk.items:
         # Cut between the reader's hand-out of a range and its store.
         chunk.set_items(took[0])
-    s.took = []
+    s.pulls.took = []
     stamps = chunk.stamps
     try:
         if stamps is not None and len(stamps) < len(chunk.items):
@@ -166,7 +166,7 @@ def _keep(s: Stream, chunk: Chunk, counted: list[int]) -> None:
                 del stamps[n:]
             # Cut between a resumed item's append and its popleft: it is in
             # the chunk (its seq is in the chunk's range), so it leaves resume.
-            resume = s._resume
+            resume = s.pulls.resume
             while resume and chunk.first_seq <= resume[0][0] < chunk.first_seq + n:
                 resume.popleft()
             _count(s, chunk, counted)
@@ -181,20 +181,20 @@ def _keep(s: Stream, chunk: Chunk, counted: list[int]) -> None:
 
 
 def _fill_resumed_range(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | None:
-    """The chunk as the resumed range at the head of ``s._resume`` (in-flight
+    """The chunk as the resumed range at the head of ``s.pulls.resume`` (in-flight
     lines of a checkpoint, kept as a range: ``Capture``), whole: its lines
     are read by the worker, as when it was first sent."""
-    with s.lock:  # a checkpoint reads _resume under this lock too
-        seq, lines, _ = s._resume[0]
+    with s.lock:  # a checkpoint reads pulls.resume under this lock too
+        seq, lines, _ = s.pulls.resume[0]
         n = len(lines)
-        poison = s._resume_skip
+        poison = s.pulls.skip
         skip = {i for i in range(n) if seq + i in poison} if poison else set()
-        first = s._resume_skip_first
+        first = s.pulls.skip_first
         # From the chunk's update (an interrupt lands at its entry, before
         # its writes) to the popleft, no call: in the chunk or still to resume.
         skip_first = first[1] if seq == first[0] else None
         chunk.take_resumed(lines, skip, skip_first)
-        s._resume.popleft()
+        s.pulls.resume.popleft()
         _count(s, chunk, counted)
         chunk.close()
         s.stats.dispatched += n
@@ -205,7 +205,7 @@ def _fill_resumed_range(s: Stream, chunk: Chunk, target: int, counted: list[int]
 def _fill_range(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | None:
     """The chunk as one range of the reader ``s.ranges``: up to ``target``
     lines that a worker reads (``ReadLines.take_range``), in one call of the
-    central chain. The range is handed out into ``s.took`` and stored as the
+    central chain. The range is handed out into ``s.pulls.took`` and stored as the
     chunk's items with no call in between; :func:`_keep` finishes a store
     that an interrupt cut short."""
     reader = s.ranges
@@ -226,7 +226,7 @@ def _fill_range(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chu
             exhausted = False
             error: Exception | None = None
             took: list[Any] = []
-            s.took = took
+            s.pulls.took = took
             try:
                 reader.take_range(took, target)
             except StopIteration:
@@ -236,7 +236,7 @@ def _fill_range(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chu
                 exhausted = True
             if took:
                 chunk.set_items(took[0])
-            s.took = []
+            s.pulls.took = []
             now = time.perf_counter()
             with s.lock:
                 if exhausted:
@@ -272,7 +272,7 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
     pull = s.tip.pull_into if stamps is None else None
     most = PULL_BURST if pull is None else MAX_CHUNK
     chain_lock = s.chain_lock
-    resume = s._resume
+    resume = s.pulls.resume
     while True:
         if s._readers:
             # Lock hand-off is not fair: drop the GIL so a waiting
@@ -299,8 +299,8 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
                     break  # a chunk of its own, next
                 if stamps is not None and stamp is None:
                     stamp = s._stamp_now()
-                poison = seq in s._resume_skip
-                first = s._resume_skip_first
+                poison = seq in s.pulls.skip
+                first = s.pulls.skip_first
                 skip_first = first[1] if seq == first[0] else None
                 # From the chunk's update (an interrupt lands at its entry,
                 # before its writes) to the popleft no Python function runs:
@@ -314,7 +314,7 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
                 # Nothing new while a resumed range is next (seqs are in order).
                 while len(items) < target and not resume:
                     # Pull in short bursts; look at the clock between them.
-                    burst = min(s._burst, target - len(items))
+                    burst = min(s.pulls.burst, target - len(items))
                     if pull is not None:
                         pull(items, burst)
                     else:
@@ -347,7 +347,7 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
                 # Slow central stages get a look at the clock after every
                 # item, so the lock is never held much past timeouts.LOCK_SLICE_S.
                 per_item = max(1e-9, (now - t0) / added)
-                s._burst = max(1, min(most, int(timeouts.LOCK_SLICE_S / per_item / 4)))
+                s.pulls.burst = max(1, min(most, int(timeouts.LOCK_SLICE_S / per_item / 4)))
             with s.lock:
                 if exhausted:
                     s.exhausted = True

@@ -21,8 +21,14 @@ from attrs import validators as v
 from centralpipe.errors import ConfigError
 from centralpipe.validators import NUMBER, Validator, checked, int_in
 
-__all__ = ["DistributedConfig", "LoaderConfig", "WorkerConfig"]
+__all__ = ["CENTRAL_WAIT_S", "DistributedConfig", "LoaderConfig", "WorkerConfig"]
 
+#: Longest wait, in seconds, of ``state_dict()``, ``query()``,
+#: ``load_state_dict()`` and the start of a pass for a central ``next()`` in
+#: progress (a source blocked on a read, a parallel stage waiting for a hung
+#: worker), after which they raise ``TimeoutError`` naming the stage, having
+#: changed nothing. Read at each wait: set it on this module to change it.
+CENTRAL_WAIT_S = 60.0
 #: Default bound on items dispatched to workers but not yet delivered.
 DEFAULT_BUFFER_SIZE = 4096
 #: Default bound on the bytes of results held before their turn (256 MiB).

@@ -121,7 +121,8 @@ class Loader(Generic[T]):
 
         Call it from the thread that iterates. It never iterates the pipeline
         and never asks a worker anything. It waits for a central ``next()`` in
-        progress (the feeder's), at most ``CENTRAL_WAIT_S`` (60 s), then raises
+        progress (the feeder's), at most
+        :data:`centralpipe.config.CENTRAL_WAIT_S` (60 s), then raises
         ``TimeoutError`` naming the stage: never an inexact state."""
         self._check_open()
         return self._central.state("state_dict()")
@@ -134,7 +135,7 @@ class Loader(Generic[T]):
         checkpoint or one of another pipeline raises ``CheckpointError`` naming
         the key and leaves the loader exactly as it was (a live iterator keeps
         going, an earlier loaded checkpoint stays pending). Like
-        ``state_dict()`` it waits at most ``CENTRAL_WAIT_S`` for a central
+        ``state_dict()`` it waits at most :data:`~centralpipe.config.CENTRAL_WAIT_S` for a central
         ``next()`` in progress (``TimeoutError``, the loader unchanged)."""
         self._check_open()
         self._central.load(state_dict)

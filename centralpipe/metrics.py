@@ -13,7 +13,6 @@ from typing import Any
 from centralpipe.config import WorkerConfig
 from centralpipe.dispatch.boundary import Run
 from centralpipe.dispatch.executors.pool import Executor
-from centralpipe.dispatch.executors.procpool import ProcessPool
 from centralpipe.dispatch.reorder import StreamStats
 from centralpipe.stages import CentralNode, all_nodes
 
@@ -67,6 +66,7 @@ def collect(
         "wait_workers_s": s.wait_workers_s,
         "wait_central_s": s.wait_central_s,
     }
-    if isinstance(pool, ProcessPool):
-        out["dispatch"]["transport"] = pool.transport_bytes()
+    transport = pool.transport_bytes() if pool is not None else None
+    if transport is not None:
+        out["dispatch"]["transport"] = transport
     return out

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import centralpipe as cp
-from centralpipe.dispatch import node, nodeservice
+from centralpipe.dispatch import node, nodeservice, timeouts
 from centralpipe.dispatch.worker.loop import main_alive
 from tests._torchrun import rank_main
 from tests.dist_modes import make_pipe, plus_one, square
@@ -168,7 +168,7 @@ def _rank_killed(pipe: cp.Pipeline, rank: int) -> str:
 
 
 def _stalled(pipe: cp.Pipeline, rank: int) -> str:
-    node.STALL_TIMEOUT_S = STALL_S
+    timeouts.STALL_TIMEOUT_S = STALL_S
     with cp.Loader(pipe, config("node")) as loader:
         it = iter(loader)
         next(it)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import centralpipe as cp
-from centralpipe.dispatch import node
+from centralpipe.dispatch import node, timeouts
 from examples.token_buckets import DATA_GLOB, build_pipeline, collate_pad, tokenize
 from tests._torchrun import rank_main
 
@@ -118,7 +118,7 @@ def compare() -> dict[str, Any]:
 
 
 def _stalled(pipe: cp.Pipeline, rank: int) -> Any:
-    node.WINDOW_ITEMS, node.STALL_TIMEOUT_S = 4, STALL_S  # the service forks with them
+    node.WINDOW_ITEMS, timeouts.STALL_TIMEOUT_S = 4, STALL_S  # the service forks with them
     with cp.Loader(pipe, config("node")) as loader:
         it = iter(loader)
         next(it)

@@ -8,13 +8,15 @@ and change nothing."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 import centralpipe as cp
-from centralpipe.dispatch import guard
+from centralpipe import config
+from centralpipe.dispatch import guard, timeouts
 from centralpipe.testing import collect
 from tests._configs import loader_config
 
@@ -79,8 +81,8 @@ def _bounded(fn: Callable[[], Any], timeout_s: float = 20.0) -> Any:
 def short_wait(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
     """A 0.3 s bound for the test; the returned function restores a long one
     (for the calls after the blocked stage is released, on a busy machine)."""
-    monkeypatch.setattr(guard, "CENTRAL_WAIT_S", 0.3)
-    return lambda: monkeypatch.setattr(guard, "CENTRAL_WAIT_S", 30.0)
+    monkeypatch.setattr(config, "CENTRAL_WAIT_S", 0.3)
+    return lambda: monkeypatch.setattr(config, "CENTRAL_WAIT_S", 30.0)
 
 
 @pytest.mark.timeout(60)
@@ -100,6 +102,38 @@ def test_close_does_not_wait_for_a_blocked_source() -> None:
     # the blocked call returns item BLOCK_AT; the closed run takes no other
     threading.Event().wait(0.2)
     assert src.yielded == BLOCK_AT + 1
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_does_not_wait_for_a_feeder_inside_a_central_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Stopping a pass whose feeder is inside a blocked central next() does
+    not wait for it (the feeder says where it is: ``in_central``), however
+    long the bound for a feeder stuck in a send is."""
+    monkeypatch.setattr(timeouts, "STOP_TIMEOUT_S", 600.0)
+    src = BlockingSource()
+    loader = cp.Loader(_pipe(src), _config())
+    try:
+        it = iter(loader)
+        assert next(it) == 0
+        assert src.blocked.wait(RELEASE_S)
+        feeder = loader._central._res.run.feeder
+        assert feeder is not None
+        assert _bounded(lambda: _wait_for(feeder.in_central))
+        _bounded(loader.close)
+    finally:
+        src.release.set()
+
+
+def _wait_for(ready: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    """Whether ``ready()`` holds within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 @pytest.mark.timeout(60)

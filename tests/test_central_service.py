@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import centralpipe as cp
-from centralpipe.dispatch import rendezvous
+from centralpipe.dispatch import rendezvous, timeouts
 from centralpipe.testing import assert_resumes_exactly
 from tests._leaks import alive
 
@@ -424,7 +424,7 @@ def test_a_service_that_does_not_start_in_time_is_stopped(
     # A service that never reports ready (forked: the child runs the patched
     # target); a real one could be ready before even a 1e-6 s wait began.
     monkeypatch.setattr(client, "serve", _never_ready)
-    monkeypatch.setattr(client, "START_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(timeouts, "START_TIMEOUT_S", 0.5)
     with pytest.raises(cp.ServiceError, match=r"did not start within START_TIMEOUT_S=0.5 s"):
         cp.Loader(_pipe(), _config("service", num_workers=0))
 
@@ -511,7 +511,7 @@ def test_a_silent_peer_is_dropped_after_the_handshake_timeout(
 ) -> None:
     """A peer that connects and sends nothing is dropped, not waited on."""
     sock, path = listener
-    monkeypatch.setattr(rendezvous, "HANDSHAKE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(timeouts, "HANDSHAKE_TIMEOUT_S", 0.2)
     peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     peer.connect(path)
     try:

@@ -86,3 +86,31 @@ def test_an_executor_says_how_its_workers_end(make: Callable[[], Executor], hint
         assert executor.startup_death_text() == hint
     finally:
         executor.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("executor", "has_transport"), [("process", True), ("thread", False)], ids=["process", "thread"]
+)
+def test_metrics_report_transport_bytes_as_the_executor_counts_them(
+    executor: str, has_transport: bool
+) -> None:
+    """``metrics()["dispatch"]["transport"]`` is what the executor counts
+    (``Executor.transport_bytes``): the three byte counts for worker
+    processes, absent for threads, which hand results over as objects."""
+    pipe = cp.Pipeline.from_iterable(range(20)).dispatch().map(abs)
+    config = cp.LoaderConfig(
+        workers=cp.WorkerConfig(num_workers=1, executor=executor, start_method="fork")
+    )
+    with cp.Loader(pipe, config) as loader:
+        assert list(loader) == list(range(20))
+        dispatch = loader.metrics()["dispatch"]
+    if has_transport:
+        assert sorted(dispatch["transport"]) == [
+            "pipe_bytes",
+            "shared_memory_bytes",
+            "shared_memory_lent_bytes",
+        ]
+        assert all(isinstance(v, int) and v >= 0 for v in dispatch["transport"].values())
+    else:
+        assert "transport" not in dispatch

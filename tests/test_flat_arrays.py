@@ -155,9 +155,11 @@ def test_read_only_arrays_stay_read_only() -> None:
 
 def test_a_group_goes_to_the_worker_stages_as_one_buffer() -> None:
     """A dispatched list of arrays is one flat buffer in the chunk message, a list after it."""
-    chunk = protocol.Chunk(0, 0, False)
     group = [np.arange(n, dtype=np.int32) for n in (2, 3)]
-    message = protocol.chunk_message(0, 0, chunk, 0, [group, "other"], frozenset(), (0, 1))
+    message, flats = protocol.chunk_message(
+        0, 0, 0, 0, 0, [group, "other"], frozenset(), False, (0, 1)
+    )
+    assert flats is None  # "other" is no list of arrays
     sealed = message[6]
     assert type(sealed.obj[0]) is tokens.Flat and sealed.obj[1] == "other"
     items = transport.copy(message)[6]

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import centralpipe as cp
-from centralpipe.dispatch import supervisor
+from centralpipe.dispatch import timeouts
 from centralpipe.dispatch.executors import procpool
 from tests import faulty
 
@@ -76,7 +76,7 @@ def test_worker_hung_during_start_up_is_replaced(
     monkeypatch.setattr(
         procpool, "worker_main", functools.partial(_hang_first_start, marker, procpool.worker_main)
     )
-    monkeypatch.setattr(supervisor, "STARTUP_GRACE_S", 1.0)
+    monkeypatch.setattr(timeouts, "STARTUP_GRACE_S", 1.0)
     with caplog.at_level(logging.WARNING, logger="centralpipe"), _loader(chunk_size=4) as loader:
         assert list(loader) == list(range(N))
         assert loader.metrics()["dispatch"]["restarts"] == 1

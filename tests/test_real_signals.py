@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 
 import centralpipe as cp
-from centralpipe.dispatch import guard
+from centralpipe import config
 from centralpipe.testing import collect
 from tests._configs import loader_config
 
@@ -300,7 +300,7 @@ def _diff(got: list[Any], expected: list[Any]) -> str:
 @pytest.fixture(autouse=True)
 def _short_chain_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     # A chain lock left held shows up as a TimeoutError within seconds.
-    monkeypatch.setattr(guard, "CENTRAL_WAIT_S", 5.0)
+    monkeypatch.setattr(config, "CENTRAL_WAIT_S", 5.0)
 
 
 def _mixed(c: Consumer, op: str) -> Callable[[], None]:

@@ -30,6 +30,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import centralpipe as cp
+from centralpipe.dispatch import timeouts
 from centralpipe.dispatch.wire import shm, stash
 from tests import ring_faults
 from tests._leaks import foreign, shm_entries, wait_for_new_shm
@@ -342,7 +343,7 @@ def test_writer_waits_for_room_once_while_nothing_is_released(
             assert writer.place(_fill(k, block)) == k * block
         assert not waits
         assert writer.place(_fill(9, block)) == -1
-        assert waits and sum(waits) <= shm.ROOM_WAIT_S + 1e-6
+        assert waits and sum(waits) <= timeouts.ROOM_WAIT_S + 1e-6
         count = len(waits)
         for _ in range(20):
             assert writer.place(_fill(9, block)) == -1

@@ -34,11 +34,16 @@ Main process, one pass of the Loader:
 - ``warm``      the inline warm start: the first chunks run in the main process
   while the workers start.
 - ``pull``      pulling a chunk from the central chain into a stream.
+- ``pullstate`` the pull's part of a stream's state: the checkpoint's in-flight
+  inputs to dispatch again first, its burst (``Stream.pulls``).
 - ``sender``    sending chunks round-robin; the drivers (inline, feeder
   thread, parallel stage).
 - ``reorder``   a :class:`~centralpipe.dispatch.reorder.Stream`: in-order
   delivery of its results.
-- ``capture``   the checkpoint capture of a stream's in-flight inputs.
+- ``capture``   the checkpoint capture of a stream's in-flight inputs: a
+  collaborator that reads the stream (``Stream.checkpoint``), never a mixin.
+- ``chunk``     a :class:`~centralpipe.dispatch.chunk.Chunk`: consecutive items
+  of a stream from their pull to their delivery, and every change of its state.
 - ``stamps``    the ``count``/``shard`` totals each dispatched item carries.
 - ``supervisor`` receiving every result; deaths, hangs, poison items, restarts.
 - ``budget``    the bytes of results held before their turn, and the bound
@@ -46,6 +51,8 @@ Main process, one pass of the Loader:
 - ``guard``     the chain lock, the one lock held across user code, and
   the bounded waits on it.
 - ``pinning``   pinning delivered tensors (``pin_memory=True``) in a thread.
+- ``timeouts`` [worker] every time bound of the machinery, in seconds, with
+  what it bounds and why that value (read at each wait; imports nothing).
 
 ``executors/``, where the workers run (main process):
 
@@ -57,7 +64,7 @@ Main process, one pass of the Loader:
 
 ``wire/``, what both processes share (torch-free):
 
-- ``wire.protocol`` [worker] messages, chunks, results, worker status slots;
+- ``wire.protocol`` [worker] messages (a chunk's items, results), worker status slots;
   the only user of ``transport``, so another transport plugs in there.
 - ``wire.transport`` [worker] serialisation and framing of one message.
 - ``wire.plain`` [worker] results that are plain tensors and arrays in the ring,
@@ -115,11 +122,12 @@ Who runs what:
   ``LOCK_SLICE_S`` between items and yields to a waiting reader, but one
   ``next()`` of the chain is atomic (a stage's state mid-call is not a
   position) — a source blocked on a read, or a parallel stage waiting for a
-  hung worker, holds it. They wait at most ``guard.CENTRAL_WAIT_S`` (60 s),
+  hung worker, holds it. They wait at most ``centralpipe.config.CENTRAL_WAIT_S`` (60 s),
   then raise ``TimeoutError`` naming the stage (read from the threads'
   stacks), having changed nothing: never an inexact state.
 
-Who blocks on what, and the bound (every wait is at most ``POLL_S`` and
+Who blocks on what, and the bound (every bound is in ``timeouts``, with its
+unit and reason; every wait is at most ``POLL_S`` and
 re-checks for stop and errors; ``Session.wake`` is the one condition that
 results, re-sends, errors and room in a buffer notify):
 
@@ -166,7 +174,7 @@ feeder (``STOP_TIMEOUT_S``) while the supervisor keeps reading, then kill
 workers if it is stuck in a send (one inside a central ``next()`` is not
 waited for: it leaves when that call returns) → stop the supervisor → at
 ``close()``:
-close our pipe ends (workers read EOF) → join (``_JOIN_TIMEOUT_S``) →
+close our pipe ends (workers read EOF) → join (``JOIN_TIMEOUT_S``) →
 terminate → kill. Threads get an end-of-input marker and a short join; a
 thread stuck in user code is left as a daemon. ``close()`` is idempotent and
 a ``weakref.finalize`` runs it if the Loader is garbage collected. The

@@ -166,7 +166,7 @@ class Run:
             with stream.lock:
                 for chunk in stream.pending:
                     if chunk.sent_gen < 0 and chunk.held_bytes == 0:
-                        chunk.held_bytes = -1  # run inline: holds no bytes of a worker's
+                        chunk.release_bytes()  # run inline: holds no bytes of a worker's
         self._wire(session)
         if self.feeder is not None and not self.feeder.launched:
             self.feeder.start()

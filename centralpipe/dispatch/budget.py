@@ -76,7 +76,7 @@ class ResultBytes:
         """``chunk`` of ``stream`` got its result, of ``nbytes`` bytes."""
         items = len(chunk.items)
         with self._lock:
-            chunk.held_bytes = nbytes
+            chunk.hold_bytes(nbytes)
             self.held += nbytes
             sid = stream.stream_id
             self._held_items[sid] = self._held_items.get(sid, 0) + items
@@ -95,15 +95,16 @@ class ResultBytes:
         if chunk.result is None or chunk.held_bytes < 0:
             return
         with self._lock:
-            # Every call first (a Ctrl-C is handled as one returns), then the
-            # three writes with none between them: released whole or not at all.
+            # Every call first (a Ctrl-C is handled as one returns, or as a
+            # Python function starts), the chunk's release last of them (an
+            # interrupt lands at its entry, before its write, or not at all),
+            # then the two writes with no call: released whole or not at all.
             was_full = self.full()
             sid = stream.stream_id
             items = self._held_items.get(sid, 0) - len(chunk.items)
-            held = self.held - chunk.held_bytes
-            self.held = held
+            nbytes = chunk.release_bytes()
+            self.held = self.held - nbytes
             self._held_items[sid] = items
-            chunk.held_bytes = -1  # released
             room = was_full and not self.full()
         if room and self._on_room is not None:
             self._on_room()

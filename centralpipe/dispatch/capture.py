@@ -1,8 +1,9 @@
 """Checkpoint capture: what a checkpoint holds of one ordered stream.
 
-:class:`Capture` is the part of :class:`~centralpipe.dispatch.reorder.Stream`
-that reads a stream's position for ``state_dict()``: under both locks
-(:meth:`Capture.reading`), the next ``seq``, the inputs pulled but not yet
+:class:`Capture` is the collaborator of a
+:class:`~centralpipe.dispatch.reorder.Stream` (``stream.checkpoint``) that
+reads the stream's position for ``state_dict()``: under both locks
+(``Stream.reading``), the next ``seq``, the inputs pulled but not yet
 delivered (from the pending chunks and the resumed items not yet re-sent),
 how many outputs of the first of them were delivered, and the count/shard
 stamp as of the last delivered output. Lines that workers read from byte
@@ -14,16 +15,15 @@ bookkeeping; the invariants it relies on are in
 
 from __future__ import annotations
 
-import operator
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from centralpipe.checkpoint.compact import join_parts, pack_part, part_of_flats
 from centralpipe.checkpoint.model import Captured, entry_wire
+from centralpipe.dispatch.chunk import Chunk
 from centralpipe.dispatch.guard import Holding
-from centralpipe.dispatch.wire.protocol import Chunk
+from centralpipe.dispatch.pullstate import PullState
 from centralpipe.dispatch.worker.ranges import LineRange
 from centralpipe.stages import CentralNode
 
@@ -44,16 +44,15 @@ def _chunk_part(chunk: Chunk) -> Any:
     if part is None:
         part = pack_part(chunk.items)
     if chunk.closed:  # its items are final
-        chunk.state_part = (n, part)
+        chunk.cache_state_part(n, part)
     return part
 
 
-class Capture:
-    """Checkpoint capture of a :class:`~centralpipe.dispatch.reorder.Stream`,
-    which sets every attribute declared here."""
+class Capturable(Protocol):
+    """What a capture reads of its stream (a
+    :class:`~centralpipe.dispatch.reorder.Stream`), and never changes."""
 
     lock: threading.Lock
-    chain_lock: threading.RLock
     next_seq: int
     delivered: int
     skipped: int
@@ -61,92 +60,59 @@ class Capture:
     current: Chunk | None
     finished: bool
     last_stamp: Any
-    _chain_nodes: list[CentralNode[Any]]
-    _readers: int
-    _readers_lock: threading.Lock
-    _stamped: list[CentralNode[Any]]
-    _resume: deque[tuple[int, Any, Any]]
-    _resume_skip: set[int]
-    _resume_skip_first: tuple[int, int]
     read_failed: Chunk | None
-    _cur_list: list[Any]
-    _cur_it: Iterator[Any] | None
-    _cur_base: int
-    _stamp_now: Callable[[], Any]
+    pulls: PullState
 
-    def _delivered_in_current(self) -> int:
-        it = self._cur_it
-        if it is None:
-            return 0
-        return self._cur_base + len(self._cur_list) - operator.length_hint(it)
+    def reading(self, what: str = ...) -> Holding: ...
+    def stamped_nodes(self) -> list[CentralNode[Any]]: ...
+    def delivered_in_current(self) -> int: ...
+    def split_current(self, chunk: Chunk) -> tuple[int, int, int]: ...
+    def _stamp_now(self) -> Any: ...
 
-    def _split_current(self, chunk: Chunk) -> tuple[int, int, int]:
-        """(first input not fully delivered, outputs of it delivered, input of
-        the last delivered output or -1) for the chunk being delivered."""
-        d = self._delivered_in_current() if chunk is self.current else 0
-        result = chunk.result
-        if result is None or (d == 0 and chunk is not self.current):
-            return 0, 0, -1
-        counts = result.counts
-        if counts is None and result.failures is None:
-            return d, 0, d - 1
-        counts = counts or [1] * len(chunk.items)
-        done = 0
-        last = -1
-        for i, n in enumerate(counts):
-            if i == chunk.raised_at and chunk is self.read_failed:
-                # A line that could not be read is consumed, as read_lines
-                # consumes it: a checkpoint resumes after it.
-                return i + 1, 0, last
-            if i == chunk.raised_at or done + n > d:
-                return i, d - done, (i if d > done else last)
-            done += n
-            if n:
-                last = i
-        return len(counts), 0, last
 
-    def reading(self, what: str = "state_dict()") -> Holding:
-        """``with s.reading(what), s.lock:`` holds both locks to read state.
-        The central thread yields to waiting readers between pull slices, so
-        a reader waits for at most one ``next()`` of the chain, and never
-        longer than ``CENTRAL_WAIT_S`` (then ``TimeoutError`` naming the stage
-        that keeps the chain). Both locks are released at C level (see
-        :class:`~centralpipe.dispatch.guard.Holding`): no interrupt can leave
-        either held."""
-        return Holding(self.chain_lock, what, self._chain_nodes, readers=self)
+class Capture:
+    """Checkpoint capture of one stream: reads it (:class:`Capturable`), under
+    its locks, and changes nothing of it."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self, stream: Capturable) -> None:
+        self.stream = stream
 
     def capture(self) -> Captured:
         """This stream's part of the checkpoint at the consumer's position:
         its boundary's entry (with the stamp as of its last delivered output),
         whether it finished, and its step count."""
-        with self.reading(), self.lock:
+        s = self.stream
+        with s.reading(), s.lock:
             return self.capture_unlocked()
 
     def capture_unlocked(self) -> Captured:
         """:meth:`capture` for a caller that holds the lock of the stream
         downstream (a parallel stage's stream is only changed under it)."""
+        s = self.stream
         parts: list[Any] = []  # compact parts of the items (checkpoint.compact)
         n_items = 0  # items in ``parts`` so far: where a range's lines go
         ranges: list[list[Any]] = []  # lines read by workers stay byte ranges
-        stamps: list[Any] | None = [] if self._stamped else None
+        stamps: list[Any] | None = [] if s.stamped_nodes() else None
         skip: list[int] = []
-        first_seq = self.next_seq
+        first_seq = s.next_seq
         skip_outputs = 0
-        delivered_stamp = self.last_stamp
-        skipped = self.skipped
+        delivered_stamp = s.last_stamp
+        skipped = s.skipped
         first = True
-        for chunk in self.pending:
+        for chunk in s.pending:
             if not chunk.items:
                 continue  # being filled: nothing pulled into it yet
             start = 0
             if first:
-                j, k, last = self._split_current(chunk)
+                j, k, last = s.split_current(chunk)
                 start, skip_outputs = j, k
                 if last >= 0 and chunk.stamps:
                     delivered_stamp = chunk.stamps[last]
                 first_seq = chunk.first_seq + j
                 first = False
-                if chunk is self.current and chunk.result is not None and chunk.result.counts:
+                if chunk is s.current and chunk.result is not None and chunk.result.counts:
                     skipped += chunk.result.counts[:j].count(0)
                 if chunk.skip_first and j == 0:
                     skip_outputs += chunk.skip_first
@@ -159,28 +125,28 @@ class Capture:
             if stamps is not None and chunk.stamps is not None:
                 stamps.extend(chunk.stamps[start:])
             skip.extend(chunk.first_seq + i for i in chunk.skip if i >= start)
-        if self._resume:
+        if s.pulls.resume:
             if first:
-                first_seq = self._resume[0][0]
+                first_seq = s.pulls.resume[0][0]
             plain: list[Any] = []
-            for seq, item, stamp in self._resume:
+            for seq, item, stamp in s.pulls.resume:
                 if isinstance(item, LineRange):
                     ranges.append(item.record(n_items + len(plain), 0))
-                    skip.extend(x for x in range(seq, seq + len(item)) if x in self._resume_skip)
+                    skip.extend(x for x in range(seq, seq + len(item)) if x in s.pulls.skip)
                     continue
                 plain.append(item)
                 if stamps is not None:
                     stamps.append(stamp)
-                if seq in self._resume_skip:
+                if seq in s.pulls.skip:
                     skip.append(seq)
-            if first and self._resume_skip_first[0] == first_seq:
-                skip_outputs = self._resume_skip_first[1]
-        if self.finished:
-            delivered_stamp = self._stamp_now()
-        if self._resume:
+            if first and s.pulls.skip_first[0] == first_seq:
+                skip_outputs = s.pulls.skip_first[1]
+        if s.finished:
+            delivered_stamp = s._stamp_now()
+        if s.pulls.resume:
             parts.append(pack_part(plain))
         entry = entry_wire(
-            next_seq=self.next_seq,
+            next_seq=s.next_seq,
             first_seq=first_seq,
             items=join_parts(parts),
             stamps=stamps,
@@ -189,25 +155,24 @@ class Capture:
             delivered_stamp=delivered_stamp,
             ranges=ranges,
         )
-        delivered = self.delivered + (
-            self._delivered_in_current() if self.current is not None else 0
-        )
-        return Captured(entry, self.finished, delivered, skipped)
+        delivered = s.delivered + (s.delivered_in_current() if s.current is not None else 0)
+        return Captured(entry, s.finished, delivered, skipped)
 
     def delivered_stamp(self) -> Any:
         """Stamp of the count/shard stages as of the last delivered output:
         delivery bookkeeping only, so it never waits for the central chain."""
-        with self.lock:
+        with self.stream.lock:
             return self.last_output_stamp()
 
     def last_output_stamp(self) -> Any:
         """:meth:`delivered_stamp` without the lock, for the thread that
         consumes this stream (a parallel stage's stream, in the central chain)."""
-        if self.finished:
-            return self._stamp_now()
-        chunk = self.current
+        s = self.stream
+        if s.finished:
+            return s._stamp_now()
+        chunk = s.current
         if chunk is not None and chunk.stamps:
-            _, _, last = self._split_current(chunk)
+            _, _, last = s.split_current(chunk)
             if last >= 0:
                 return chunk.stamps[last]
-        return self.last_stamp
+        return s.last_stamp

@@ -28,7 +28,7 @@ from typing import Any
 import attrs
 
 from centralpipe.config import LoaderConfig
-from centralpipe.dispatch import rendezvous
+from centralpipe.dispatch import rendezvous, timeouts
 from centralpipe.dispatch.pinning import Pinner, make_pinner
 from centralpipe.dispatch.service import serve, state_to_bytes
 from centralpipe.dispatch.wire import shm, transport
@@ -36,14 +36,8 @@ from centralpipe.errors import PipelineError, ServiceError
 from centralpipe.plan.pipeline import Pipeline
 from centralpipe.stages.totals import Total
 
-__all__ = ["CLOSE_TIMEOUT_S", "POLL_S", "START_TIMEOUT_S", "Link", "ServiceClient", "shutdown"]
+__all__ = ["Link", "ServiceClient", "shutdown"]
 
-#: Longest wait for the service to start and build the pipeline's stages.
-START_TIMEOUT_S = 120.0
-#: Longest wait for the service to exit once asked to, before it is killed.
-CLOSE_TIMEOUT_S = 10.0
-#: How often the client's waits re-check that the service lives.
-POLL_S = 0.5
 
 _IDS = itertools.count()
 #: Requests whose reply a cut-short call keeps for the same request next
@@ -65,7 +59,7 @@ class Link:
     pinner: Pinner | None = None
     exit_hook: Any = None
     #: How long a close waits for the service to end before stopping it.
-    close_timeout_s: float = CLOSE_TIMEOUT_S
+    close_timeout_s: float = attrs.field(factory=lambda: timeouts.SERVICE_CLOSE_TIMEOUT_S)
 
 
 def shutdown(link: Link) -> None:
@@ -76,7 +70,7 @@ def shutdown(link: Link) -> None:
         if conn is not None:
             with contextlib.suppress(OSError, ValueError):
                 conn.send(("close", ()))
-                conn.poll(CLOSE_TIMEOUT_S)
+                conn.poll(timeouts.SERVICE_CLOSE_TIMEOUT_S)
     elif proc.pid is not None:  # started
         if conn is not None:
             with contextlib.suppress(OSError, ValueError):
@@ -85,7 +79,7 @@ def shutdown(link: Link) -> None:
         proc.join(0.1)
         if proc.exitcode is None:
             proc.terminate()
-            proc.join(CLOSE_TIMEOUT_S)
+            proc.join(timeouts.SERVICE_CLOSE_TIMEOUT_S)
         if proc.exitcode is None:  # pragma: no cover - SIGTERM ignored
             proc.kill()
             proc.join()
@@ -152,10 +146,11 @@ class ServiceClient:
             # Before multiprocessing's own exit hook (which joins this process).
             atexit.register(self._finalizer)
             try:
-                if not wait([ready_r, proc.sentinel], START_TIMEOUT_S):
+                if not wait([ready_r, proc.sentinel], timeouts.START_TIMEOUT_S):
                     msg = (
                         f"the central service (pid {proc.pid}) did not start within "
-                        f"START_TIMEOUT_S={START_TIMEOUT_S} s; it was stopped. Is the machine "
+                        f"START_TIMEOUT_S={timeouts.START_TIMEOUT_S} s "
+                        "(centralpipe.dispatch.timeouts); it was stopped. Is the machine "
                         "out of memory or processes?"
                     )
                     raise ServiceError(msg)
@@ -218,7 +213,7 @@ class ServiceClient:
         proc = self._link.proc
         watched = [conn] if proc is None else [conn, proc.sentinel]
         while True:
-            ready = wait(watched, POLL_S)  # where an interrupt lands, harmlessly
+            ready = wait(watched, timeouts.SERVICE_POLL_S)  # where an interrupt lands, harmlessly
             if conn in ready:
                 break
             if ready:

@@ -12,7 +12,7 @@ What needs the chain lock, and the bound:
 
 - ``state_dict()``, ``query()``, ``load_state_dict()`` and the start of a pass
   read or reset the central stages, so they must wait for the ``next()`` in
-  progress; they wait at most :data:`CENTRAL_WAIT_S`, then raise
+  progress; they wait at most :data:`centralpipe.config.CENTRAL_WAIT_S`, then raise
   ``TimeoutError`` naming the stage that is inside ``next()`` (never an inexact
   state).
 - ``close()``, ``metrics()`` and stopping a run never wait for it: they only
@@ -24,12 +24,14 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
-from types import CodeType, FrameType
+from collections.abc import Callable, Sequence
+from types import FrameType
 from typing import Any
 
+from centralpipe import config
+from centralpipe.dispatch import timeouts
+
 __all__ = [
-    "CENTRAL_WAIT_S",
     "Holding",
     "Wake",
     "busy_stage",
@@ -37,13 +39,6 @@ __all__ = [
     "join_started",
     "new_chain_lock",
 ]
-
-#: Longest wait of ``state_dict()``, ``query()``, ``load_state_dict()`` and the
-#: start of a pass for a central ``next()`` in progress (seconds).
-CENTRAL_WAIT_S = 60.0
-#: How long a thread whose ``start()`` was interrupted may take to show up
-#: (one that shows up later finds its run stopped and ends at once).
-_START_GRACE_S = 0.2
 
 
 def new_chain_lock() -> threading.RLock:
@@ -96,7 +91,7 @@ class Holding:
                 with readers._readers_lock:
                     readers._readers += 1
                     counted = True
-            got = lock.acquire(True, CENTRAL_WAIT_S)
+            got = lock.acquire(True, config.CENTRAL_WAIT_S)
         except BaseException:
             # Interrupted in the wait (not taken), or as the acquire returned
             # (taken): release it if this thread has it, then re-raise.
@@ -164,35 +159,30 @@ class Wake:
 
 def hold(lock: threading.RLock, what: str, nodes: Sequence[Any]) -> Holding:
     """Hold ``lock`` (a chain lock) for ``what``, waiting at most
-    :data:`CENTRAL_WAIT_S`; ``nodes`` are the chain's nodes (to name the
+    :data:`centralpipe.config.CENTRAL_WAIT_S`; ``nodes`` are the chain's nodes (to name the
     stage that keeps it in the error)."""
     return Holding(lock, what, nodes)
 
 
-def busy_stage(
-    nodes: Sequence[Any], ident: int | None = None, unless: Collection[CodeType] = ()
-) -> tuple[Any, int] | None:
+def busy_stage(nodes: Sequence[Any], ident: int | None = None) -> tuple[Any, int] | None:
     """The innermost of ``nodes`` that a thread (``ident``, or any other
-    than the caller) is running, and that thread's ident; ``None`` if none
-    is, or if the thread is running one of the functions ``unless`` inside
-    it (e.g. a send to a worker).
+    than the caller) is running, and that thread's ident; ``None`` if none is.
 
-    Read from the threads' stacks, so the chain pays nothing per item."""
+    Read from the threads' stacks, so the chain pays nothing per item; used
+    to name the stage in an error, never to decide what to do."""
     ids = {id(n) for n in nodes}
     me = threading.get_ident()
     for tid, frame in sys._current_frames().items():
         if tid == me or (ident is not None and tid != ident):
             continue
-        node = _innermost(frame, ids, unless)
+        node = _innermost(frame, ids)
         if node is not None:
             return node, tid
     return None
 
 
-def _innermost(frame: FrameType | None, ids: set[int], unless: Collection[CodeType]) -> Any:
+def _innermost(frame: FrameType | None, ids: set[int]) -> Any:
     while frame is not None:
-        if frame.f_code in unless:
-            return None
         owner = frame.f_locals.get("self")
         if owner is not None and id(owner) in ids:
             return owner
@@ -210,7 +200,7 @@ def _busy_text(what: str, nodes: Sequence[Any], waited_s: float) -> str:
         where = f"central stage '{found[0].name}' has not returned from next()"
     return (
         f"{what} waited {waited_s:.1f} s for the central chain and gave up: {where} "
-        f"(the bound is centralpipe.dispatch.guard.CENTRAL_WAIT_S = {CENTRAL_WAIT_S:g} s). "
+        f"(the bound is centralpipe.config.CENTRAL_WAIT_S = {config.CENTRAL_WAIT_S:g} s). "
         "Nothing was changed; call it again once the stage returns."
     )
 
@@ -220,7 +210,7 @@ def join_started(thread: threading.Thread, timeout: float) -> None:
     interrupted (Ctrl-C) before or after the thread began: wait for it to
     show up for a short grace, then for it to end, at most ``timeout``."""
     deadline = time.monotonic() + timeout
-    grace = time.monotonic() + min(timeout, _START_GRACE_S)
+    grace = time.monotonic() + min(timeout, timeouts.START_GRACE_S)
     while True:
         try:
             thread.join(max(0.0, deadline - time.monotonic()))

@@ -38,7 +38,7 @@ Finding the service, its process and the clients are in
   the states were saved in;
 - the window is bounded (:data:`WINDOW_ITEMS` central items between the
   slowest local rank and the head): a rank that stops reading stops the
-  others there, and after :data:`STALL_TIMEOUT_S` they get a
+  others there, and after :data:`~centralpipe.dispatch.timeouts.STALL_TIMEOUT_S` they get a
   ``ServiceError`` naming it. A rank whose connection ends without a close
   (killed) is a ``ServiceError`` naming it on every other rank's next call;
   a killed service is one on every rank at once (the connection ends). The
@@ -63,6 +63,7 @@ from typing import Any
 from centralpipe import checkpoint
 from centralpipe.checkpoint.model import empty_entry
 from centralpipe.config import LoaderConfig
+from centralpipe.dispatch import timeouts
 from centralpipe.dispatch.nodepool import SharedSegments
 from centralpipe.dispatch.worker.loop import main_alive
 from centralpipe.errors import CheckpointError, PipelineError, ServiceError
@@ -71,7 +72,6 @@ from centralpipe.stages import Count, RunContext, Shard, build_central
 from centralpipe.stages.base import CentralNode
 
 __all__ = [
-    "STALL_TIMEOUT_S",
     "WINDOW_ITEMS",
     "NodeShard",
     "NodeStream",
@@ -80,9 +80,6 @@ __all__ = [
 
 #: Most central items between the slowest local rank's shard and the head.
 WINDOW_ITEMS = 4096
-#: Longest wait of a rank for a stalled local rank (full window, an epoch
-#: change, a load) before a ``ServiceError`` naming it.
-STALL_TIMEOUT_S = 60.0
 
 
 class _AtHead(Exception):
@@ -294,7 +291,7 @@ class NodeStream:
                 f"another local rank left early for epoch {self.epoch}; every local rank "
                 "must iterate the same epochs."
             )
-        deadline = time.monotonic() + STALL_TIMEOUT_S
+        deadline = time.monotonic() + timeouts.STALL_TIMEOUT_S
         while True:
             readers = self._positions(window, skip=reader)
             lowest = min((pos for pos, _ in readers), default=window.head)
@@ -308,7 +305,8 @@ class NodeStream:
                     self._check()
                 raise ServiceError(
                     f"local rank {slow.local_rank} (global rank {slow.ctx.rank}) has not read "
-                    f"for {STALL_TIMEOUT_S} s while {WINDOW_ITEMS} central items wait for it; "
+                    f"for {timeouts.STALL_TIMEOUT_S} s while {WINDOW_ITEMS} central items wait "
+                    "for it; "
                     f"local rank {reader.local_rank} cannot go on. Every local rank must "
                     "iterate its loader."
                 )
@@ -339,7 +337,7 @@ class NodeStream:
         with self.lock:
             if self.epoch != epoch:
                 shard.wants = epoch
-                deadline = time.monotonic() + STALL_TIMEOUT_S
+                deadline = time.monotonic() + timeouts.STALL_TIMEOUT_S
                 try:
                     while self.epoch != epoch:
                         self._check()
@@ -364,7 +362,7 @@ class NodeStream:
                             names = ", ".join(str(s.local_rank) for s in late)
                             raise ServiceError(
                                 f"local rank(s) {names} did not finish epoch {self.epoch} "
-                                f"within {STALL_TIMEOUT_S} s while local rank "
+                                f"within {timeouts.STALL_TIMEOUT_S} s while local rank "
                                 f"{shard.local_rank} starts epoch {epoch}."
                             )
                         self.cond.wait(min(left, 0.5))
@@ -410,7 +408,7 @@ class NodeStream:
             round_ = self._load_round
             self._loads[local_rank] = state
             self.cond.notify_all()
-            deadline = time.monotonic() + STALL_TIMEOUT_S
+            deadline = time.monotonic() + timeouts.STALL_TIMEOUT_S
             while self._load_round == round_ and len(self._loads) < self.local_world:
                 self._check()
                 left = deadline - time.monotonic()
@@ -419,8 +417,8 @@ class NodeStream:
                     del self._loads[local_rank]
                     raise ServiceError(
                         f"local rank(s) {missing} did not call load_state_dict() within "
-                        f"{STALL_TIMEOUT_S} s; in central='node' every local rank loads its "
-                        "state."
+                        f"{timeouts.STALL_TIMEOUT_S} s; in central='node' every local rank "
+                        "loads its state."
                     )
                 self.cond.wait(min(left, 0.5))
             if self._load_round == round_:

@@ -31,13 +31,13 @@ from typing import Any
 import attrs
 
 from centralpipe.config import DistributedConfig, LoaderConfig
-from centralpipe.dispatch import node, rendezvous
-from centralpipe.dispatch.client import START_TIMEOUT_S, Link, ServiceClient, shutdown
+from centralpipe.dispatch import rendezvous, timeouts
+from centralpipe.dispatch.client import Link, ServiceClient, shutdown
 from centralpipe.dispatch.local import LocalCentral
 from centralpipe.dispatch.node import NodeStream, check_node_pipeline
 from centralpipe.dispatch.noderank import RankCentral
 from centralpipe.dispatch.pinning import make_pinner
-from centralpipe.dispatch.service import ACCEPT_TIMEOUT_S, WATCHDOG_S, Server
+from centralpipe.dispatch.service import Server
 from centralpipe.dispatch.wire import shm
 from centralpipe.dispatch.wire.stash import RingWriter, receive_ring
 from centralpipe.dispatch.worker.loop import main_alive
@@ -45,7 +45,6 @@ from centralpipe.errors import PipelineError, ServiceError
 from centralpipe.plan.pipeline import Pipeline
 
 __all__ = [
-    "FIND_TIMEOUT_S",
     "NodeClient",
     "local_ranks",
     "read_token",
@@ -54,9 +53,6 @@ __all__ = [
     "token_path",
     "write_token",
 ]
-
-#: How long a local rank waits for the token file of local rank 0's service.
-FIND_TIMEOUT_S = 120.0
 
 
 def local_ranks() -> tuple[int, int]:
@@ -134,7 +130,7 @@ def read_token(path: Path, timeout_s: float) -> bytes:
 def _watchdog(stream_pids: list[int], ready: threading.Event) -> None:
     """End the service once every client is gone (dead, even unreaped)."""
     while True:
-        time.sleep(WATCHDOG_S)
+        time.sleep(timeouts.SERVICE_WATCHDOG_S)
         if ready.is_set() and not any(p and main_alive(p) for p in stream_pids):
             os._exit(0)
 
@@ -267,11 +263,11 @@ def _accept_all(
     found: dict[int, dict[str, Any]] = {}
     listener = rendezvous.listen(path)
     try:
-        listener.settimeout(ACCEPT_TIMEOUT_S)
+        listener.settimeout(timeouts.ACCEPT_TIMEOUT_S)
         write_token(Path(token_file), token)
         ready.send_bytes(b"ready")
         ready.close()
-        deadline = time.monotonic() + ACCEPT_TIMEOUT_S
+        deadline = time.monotonic() + timeouts.ACCEPT_TIMEOUT_S
         while not _complete(found, local_world) and time.monotonic() < deadline:
             try:
                 conn = rendezvous.accept(listener, token)
@@ -279,7 +275,7 @@ def _accept_all(
                 continue
             except (TimeoutError, OSError):
                 break
-            if not conn.poll(rendezvous.HANDSHAKE_TIMEOUT_S):
+            if not conn.poll(timeouts.HANDSHAKE_TIMEOUT_S):
                 conn.close()
                 continue
             kind, rank, pid, with_ring = conn.recv()
@@ -354,7 +350,7 @@ class NodeClient(ServiceClient):
                 name="centralpipe-node-service",
             )
         link = self._link = Link(proc=proc, path=path if local == 0 else "")
-        link.close_timeout_s = node.STALL_TIMEOUT_S
+        link.close_timeout_s = timeouts.STALL_TIMEOUT_S
         try:
             if proc is not None:
                 try:
@@ -372,10 +368,10 @@ class NodeClient(ServiceClient):
             atexit.register(self._finalizer)
             if proc is not None:
                 try:
-                    if not wait([ready_r, proc.sentinel], START_TIMEOUT_S):
+                    if not wait([ready_r, proc.sentinel], timeouts.START_TIMEOUT_S):
                         raise ServiceError(
                             f"the node's central service (pid {proc.pid}) did not start within "
-                            f"{START_TIMEOUT_S} s."
+                            f"{timeouts.START_TIMEOUT_S} s."
                         )
                     if not ready_r.poll():
                         self._died("while starting")
@@ -383,7 +379,7 @@ class NodeClient(ServiceClient):
                     ready_r.close()
                 self._service_pid = proc.pid
             else:
-                token = read_token(tpath, FIND_TIMEOUT_S)
+                token = read_token(tpath, timeouts.FIND_TIMEOUT_S)
             link.conn = self._connect(path, token, proc, "requests", local, with_ring)
             if with_ring:
                 link.ring = shm.Ring(config.workers.shared_memory_bytes)
@@ -402,7 +398,7 @@ class NodeClient(ServiceClient):
     def _connect(
         self, path: str, token: bytes, proc: Any, kind: str, local: int, with_ring: bool
     ) -> Connection:
-        deadline = time.monotonic() + FIND_TIMEOUT_S
+        deadline = time.monotonic() + timeouts.FIND_TIMEOUT_S
         while True:
             try:
                 conn = rendezvous.connect(
@@ -413,7 +409,7 @@ class NodeClient(ServiceClient):
                 if time.monotonic() > deadline:
                     raise ServiceError(
                         f"could not connect to the node's central service at {path!r} within "
-                        f"{FIND_TIMEOUT_S} s."
+                        f"{timeouts.FIND_TIMEOUT_S} s."
                     ) from None
                 time.sleep(0.05)
         with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:

@@ -34,12 +34,10 @@ from typing import Any
 
 import torch
 
+from centralpipe.dispatch import timeouts
 from centralpipe.dispatch.guard import join_started
 
 __all__ = ["Pinner", "accelerator", "make_pinner", "pin"]
-
-#: How long close() waits for the pin thread to finish its current chunk.
-_CLOSE_TIMEOUT_S = 5.0
 
 
 def accelerator() -> torch.device | None:
@@ -155,7 +153,7 @@ class Pinner:
             if thread is not None:
                 self._jobs.put(None)
         if thread is not None and thread is not threading.current_thread():
-            join_started(thread, _CLOSE_TIMEOUT_S)
+            join_started(thread, timeouts.PIN_CLOSE_TIMEOUT_S)
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -24,29 +24,20 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from centralpipe.dispatch import timeouts
+from centralpipe.dispatch.chunk import Chunk
 from centralpipe.dispatch.reorder import FIRST_CHUNK, Stream
-from centralpipe.dispatch.supervisor import POLL_S
-from centralpipe.dispatch.wire.protocol import Chunk
 from centralpipe.dispatch.worker.ranges import LineRange
 
 __all__ = [
-    "FLUSH_S",
-    "LOCK_SLICE_S",
     "MAX_CHUNK",
     "MAX_CHUNK_RESULT_BYTES",
     "PULL_BURST",
-    "TARGET_CHUNK_S",
     "has_room",
     "pull_chunk",
     "target_chunk",
 ]
 
-#: A chunk being filled is sent after this long even if not full.
-FLUSH_S = 0.02
-#: The feeder releases the lock at least this often while pulling.
-LOCK_SLICE_S = 0.0005
-#: Work per chunk the adaptive chunk size aims at.
-TARGET_CHUNK_S = 0.005
 MAX_CHUNK = 1024
 #: Most result bytes per chunk (as measured): a quarter of the default
 #: shared-memory ring, so a worker writes its next results while the main
@@ -70,7 +61,7 @@ def _chunk_target(s: Stream) -> int:
     elif s.cost_per_item <= 0:
         n = FIRST_CHUNK
     else:
-        n = max(1, min(MAX_CHUNK, int(TARGET_CHUNK_S / s.cost_per_item)))
+        n = max(1, min(MAX_CHUNK, int(timeouts.TARGET_CHUNK_S / s.cost_per_item)))
         per_item = s.stats.bytes_per_item  # measured by dispatch.budget; < 0: not yet
         if per_item > 0:
             n = max(1, min(n, int(MAX_CHUNK_RESULT_BYTES / per_item)))
@@ -106,7 +97,7 @@ def pull_chunk(s: Stream) -> Chunk | None:
     items pulled so far are kept in the chunk, closed (:func:`_keep`): the
     drivers then run it like any other, so the pass goes on exactly."""
     target = target_chunk(s)
-    stamped = bool(s._stamped)
+    stamped = bool(s.stamped_nodes())
     counted = [0]  # items of the chunk already counted in next_seq and in_flight
     chunk: Chunk | None = None
     # The chunk is registered inside the try, in pending last: CPython may
@@ -119,12 +110,12 @@ def pull_chunk(s: Stream) -> Chunk | None:
                 return None
             if s.buffer_size is not None:
                 target = max(1, min(target, s.buffer_size - s.in_flight))
-            first_seq = s._resume[0][0] if s._resume else s.next_seq
+            first_seq = s.pulls.resume[0][0] if s.pulls.resume else s.next_seq
             new = Chunk(s.next_cid, first_seq, stamped)
             # A resumed range is one chunk; new ranges once nothing is to resume.
-            if s._resume and isinstance(s._resume[0][1], LineRange):
+            if s.pulls.resume and isinstance(s.pulls.resume[0][1], LineRange):
                 fill = _fill_resumed_range
-            elif s.ranges is not None and not s._resume:
+            elif s.ranges is not None and not s.pulls.resume:
                 fill = _fill_range
             else:
                 fill = _fill
@@ -158,11 +149,11 @@ def _keep(s: Stream, chunk: Chunk, counted: list[int]) -> None:
     """The chunk being filled was cut short (Ctrl-C, or a bug of ours): keep
     what it holds as a closed chunk, or drop it if empty. No stage has moved
     since its last item was pulled, so a missing stamp is taken now."""
-    took = s.took
+    took = s.pulls.took
     if took and not chunk.items:
         # Cut between the reader's hand-out of a range and its store.
-        chunk.items = took[0]
-    s.took = []
+        chunk.set_items(took[0])
+    s.pulls.took = []
     stamps = chunk.stamps
     try:
         if stamps is not None and len(stamps) < len(chunk.items):
@@ -175,14 +166,14 @@ def _keep(s: Stream, chunk: Chunk, counted: list[int]) -> None:
                 del stamps[n:]
             # Cut between a resumed item's append and its popleft: it is in
             # the chunk (its seq is in the chunk's range), so it leaves resume.
-            resume = s._resume
+            resume = s.pulls.resume
             while resume and chunk.first_seq <= resume[0][0] < chunk.first_seq + n:
                 resume.popleft()
             _count(s, chunk, counted)
             if chunk.closed:
                 pass
             elif chunk.items:
-                chunk.closed = True
+                chunk.close()
                 s.stats.dispatched += len(chunk.items)
             elif chunk in s.pending:
                 s.pending.remove(chunk)
@@ -190,23 +181,22 @@ def _keep(s: Stream, chunk: Chunk, counted: list[int]) -> None:
 
 
 def _fill_resumed_range(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | None:
-    """The chunk as the resumed range at the head of ``s._resume`` (in-flight
+    """The chunk as the resumed range at the head of ``s.pulls.resume`` (in-flight
     lines of a checkpoint, kept as a range: ``Capture``), whole: its lines
     are read by the worker, as when it was first sent."""
-    with s.lock:  # a checkpoint reads _resume under this lock too
-        seq, lines, _ = s._resume[0]
+    with s.lock:  # a checkpoint reads pulls.resume under this lock too
+        seq, lines, _ = s.pulls.resume[0]
         n = len(lines)
-        poison = s._resume_skip
+        poison = s.pulls.skip
         skip = {i for i in range(n) if seq + i in poison} if poison else set()
-        first = s._resume_skip_first
-        # No call from here to the popleft: in the chunk or still to resume.
-        chunk.skip = skip
-        if seq == first[0]:
-            chunk.skip_first = first[1]
-        chunk.items = lines
-        s._resume.popleft()
+        first = s.pulls.skip_first
+        # From the chunk's update (an interrupt lands at its entry, before
+        # its writes) to the popleft, no call: in the chunk or still to resume.
+        skip_first = first[1] if seq == first[0] else None
+        chunk.take_resumed(lines, skip, skip_first)
+        s.pulls.resume.popleft()
         _count(s, chunk, counted)
-        chunk.closed = True
+        chunk.close()
         s.stats.dispatched += n
         s.stats.range_lines += n
     return chunk
@@ -215,7 +205,7 @@ def _fill_resumed_range(s: Stream, chunk: Chunk, target: int, counted: list[int]
 def _fill_range(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | None:
     """The chunk as one range of the reader ``s.ranges``: up to ``target``
     lines that a worker reads (``ReadLines.take_range``), in one call of the
-    central chain. The range is handed out into ``s.took`` and stored as the
+    central chain. The range is handed out into ``s.pulls.took`` and stored as the
     chunk's items with no call in between; :func:`_keep` finishes a store
     that an interrupt cut short."""
     reader = s.ranges
@@ -224,7 +214,8 @@ def _fill_range(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chu
         if s._readers:
             time.sleep(0)  # let a waiting state_dict()/query() take the lock first
         try:
-            acquired = chain_lock.acquire(timeout=POLL_S)
+            acquired = chain_lock.acquire(timeout=timeouts.POLL_S)
+            s.in_chain = acquired
             if not acquired:
                 if s.stopping:
                     break
@@ -235,7 +226,7 @@ def _fill_range(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chu
             exhausted = False
             error: Exception | None = None
             took: list[Any] = []
-            s.took = took
+            s.pulls.took = took
             try:
                 reader.take_range(took, target)
             except StopIteration:
@@ -244,8 +235,8 @@ def _fill_range(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chu
                 error = exc
                 exhausted = True
             if took:
-                chunk.items = took[0]
-            s.took = []
+                chunk.set_items(took[0])
+            s.pulls.took = []
             now = time.perf_counter()
             with s.lock:
                 if exhausted:
@@ -257,13 +248,14 @@ def _fill_range(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chu
                     s.pending.remove(chunk)
                     del s.by_cid[chunk.cid]
                     return None
-                chunk.closed = True
+                chunk.close()
                 n = len(chunk.items)
                 s.stats.dispatched += n
                 if not isinstance(chunk.items, list):  # a range, not lines of a remote file
                     s.stats.range_lines += n
                 return chunk
         finally:
+            s.in_chain = False
             try:
                 chain_lock.release()
             except RuntimeError:  # not taken (timed out, or interrupted in the wait)
@@ -275,13 +267,12 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
     started = time.perf_counter()
     one = s.tip.pull_into
     items, stamps = chunk.items, chunk.stamps
-    append = items.append
     # Without stamps, items come in bulk (``pull_into``): a source or a
     # parallel stage hands out a slice at a time instead of one per call.
     pull = s.tip.pull_into if stamps is None else None
     most = PULL_BURST if pull is None else MAX_CHUNK
     chain_lock = s.chain_lock
-    resume = s._resume
+    resume = s.pulls.resume
     while True:
         if s._readers:
             # Lock hand-off is not fair: drop the GIL so a waiting
@@ -292,7 +283,8 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
         # (Ctrl-C) can land as the acquire returns, before any flag could
         # record it, and a lock kept then would time out every state_dict().
         try:
-            acquired = chain_lock.acquire(timeout=POLL_S)
+            acquired = chain_lock.acquire(timeout=timeouts.POLL_S)
+            s.in_chain = acquired
             if not acquired:
                 if s.stopping:
                     break
@@ -300,22 +292,20 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
             if s.stopping:
                 break
             t0 = time.perf_counter()
-            slice_end = t0 + LOCK_SLICE_S
+            slice_end = t0 + timeouts.LOCK_SLICE_S
             while resume and len(items) < target:
                 seq, item, stamp = resume[0]
                 if isinstance(item, LineRange):
                     break  # a chunk of its own, next
                 if stamps is not None and stamp is None:
                     stamp = s._stamp_now()
-                # From here to the popleft no function is called: an item is
-                # in the chunk or still to resume, never both or neither.
-                if seq in s._resume_skip:
-                    chunk.skip.add(len(items))
-                if seq == s._resume_skip_first[0]:
-                    chunk.skip_first = s._resume_skip_first[1]
-                if stamps is not None:
-                    stamps.append(stamp)
-                append(item)
+                poison = seq in s.pulls.skip
+                first = s.pulls.skip_first
+                skip_first = first[1] if seq == first[0] else None
+                # From the chunk's update (an interrupt lands at its entry,
+                # before its writes) to the popleft no Python function runs:
+                # an item is in the chunk or still to resume (``_keep``).
+                chunk.add_resumed(item, stamp, poison, skip_first)
                 resume.popleft()
             before = len(items)
             exhausted = False
@@ -324,7 +314,7 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
                 # Nothing new while a resumed range is next (seqs are in order).
                 while len(items) < target and not resume:
                     # Pull in short bursts; look at the clock between them.
-                    burst = min(s._burst, target - len(items))
+                    burst = min(s.pulls.burst, target - len(items))
                     if pull is not None:
                         pull(items, burst)
                     else:
@@ -355,9 +345,9 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
             now = time.perf_counter()
             if added:
                 # Slow central stages get a look at the clock after every
-                # item, so the lock is never held much past LOCK_SLICE_S.
+                # item, so the lock is never held much past timeouts.LOCK_SLICE_S.
                 per_item = max(1e-9, (now - t0) / added)
-                s._burst = max(1, min(most, int(LOCK_SLICE_S / per_item / 4)))
+                s.pulls.burst = max(1, min(most, int(timeouts.LOCK_SLICE_S / per_item / 4)))
             with s.lock:
                 if exhausted:
                     s.exhausted = True
@@ -365,15 +355,16 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
                 _count(s, chunk, counted)
                 s.stats.wait_central_s += now - t0
                 done = s.exhausted or len(items) >= target or bool(resume)
-                if done or now - started > FLUSH_S:
+                if done or now - started > timeouts.FLUSH_S:
                     if not items:
                         s.pending.remove(chunk)
                         del s.by_cid[chunk.cid]
                         return None
-                    chunk.closed = True
+                    chunk.close()
                     s.stats.dispatched += len(items)
                     return chunk
         finally:
+            s.in_chain = False
             try:
                 chain_lock.release()
             except RuntimeError:  # not taken (timed out, or interrupted in the wait)

@@ -34,10 +34,10 @@ import tempfile
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from centralpipe.dispatch import timeouts
 from centralpipe.errors import ServiceError
 
 __all__ = [
-    "HANDSHAKE_TIMEOUT_S",
     "TOKEN_BYTES",
     "accept",
     "connect",
@@ -49,8 +49,6 @@ __all__ = [
     "remove_socket",
 ]
 
-#: Longest wait for each message of the authentication exchange.
-HANDSHAKE_TIMEOUT_S = 10.0
 TOKEN_BYTES = 32
 _NONCE_BYTES = 32
 _HELLO = b"centralpipe-hello-1:"
@@ -144,9 +142,9 @@ def _check_peer(sock: socket.socket, expect_pid: int | None) -> None:
 
 
 def _read(conn: Connection, maxlength: int) -> bytes:
-    if not conn.poll(HANDSHAKE_TIMEOUT_S):
+    if not conn.poll(timeouts.HANDSHAKE_TIMEOUT_S):
         raise ServiceError(
-            f"the peer sent nothing within {HANDSHAKE_TIMEOUT_S} s of the authentication."
+            f"the peer sent nothing within {timeouts.HANDSHAKE_TIMEOUT_S} s of the authentication."
         )
     try:
         return conn.recv_bytes(maxlength)
@@ -206,7 +204,7 @@ def connect(path: str, token: bytes, expect_pid: int | None = None) -> Connectio
     """An authenticated connection to the service listening at ``path``."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.settimeout(HANDSHAKE_TIMEOUT_S)
+        sock.settimeout(timeouts.HANDSHAKE_TIMEOUT_S)
         sock.connect(path)
     except BaseException:
         sock.close()

@@ -21,7 +21,7 @@ Invariants (under ``lock``, and under both for the pulled items):
 - every item the central chain produced is either delivered, or in a pending
   chunk — always both or neither;
 - ``in_flight`` == the number of items in pending chunks plus resumed items
-  already taken from ``_resume``, i.e. dispatched and not yet retired;
+  already taken from ``pulls.resume``, i.e. dispatched and not yet retired;
 - chunks in ``pending`` have increasing, contiguous ``seq`` ranges; only the
   head chunk is ever being delivered (``current``).
 """
@@ -32,17 +32,21 @@ import abc
 import concurrent.futures
 import itertools
 import logging
+import operator
 import threading
 from collections import deque
 from collections.abc import Iterator
 from typing import Any, NoReturn, cast
 
-from centralpipe.checkpoint.model import Boundary
+from centralpipe.checkpoint.model import Boundary, Captured
+from centralpipe.dispatch import timeouts
 from centralpipe.dispatch.budget import ResultBytes
 from centralpipe.dispatch.capture import Capture
-from centralpipe.dispatch.guard import Wake, new_chain_lock
+from centralpipe.dispatch.chunk import Chunk
+from centralpipe.dispatch.guard import Holding, Wake, new_chain_lock
+from centralpipe.dispatch.pullstate import PullState
 from centralpipe.dispatch.stamps import Stamper
-from centralpipe.dispatch.wire.protocol import Chunk, ChunkResult, StageFailure
+from centralpipe.dispatch.wire.protocol import ChunkResult, StageFailure
 from centralpipe.dispatch.worker.chain import WorkerChain
 from centralpipe.dispatch.worker.ranges import LineRange
 from centralpipe.errors import CheckpointError, WorkerError
@@ -54,8 +58,6 @@ __all__ = ["FIRST_CHUNK", "Driver", "Outputs", "Stamper", "Stream", "StreamStats
 logger = logging.getLogger("centralpipe")
 
 FIRST_CHUNK = 16
-#: How often the consumer, waiting for the pin thread, checks for a stop.
-_PIN_POLL_S = 0.1
 
 
 class Driver(abc.ABC):
@@ -123,7 +125,7 @@ def _is_read_failure(chunk: Chunk, failure: StageFailure) -> bool:
     return isinstance(items, LineRange) and failure.stage == items.stage
 
 
-class Stream(Capture):
+class Stream:
     """One ordered stream over a boundary; see the module docstring."""
 
     def __init__(
@@ -182,6 +184,10 @@ class Stream(Capture):
         #: dispatch stream (it outlives runs); a parallel stage's stream is
         #: only pulled under that one already.
         self.chain_lock = new_chain_lock() if chain_lock is None else chain_lock
+        #: The thread pulling this stream holds the chain lock (runs the
+        #: central chain): set by ``dispatch.pull`` once it has the lock,
+        #: cleared before it lets it go.
+        self.in_chain = False
         self._chain_nodes = tip.chain()
         #: The bookkeeping lock: never held across user code.
         self.lock = threading.Lock()
@@ -195,42 +201,23 @@ class Stream(Capture):
         self.broken = False
         self.stopping = False
         self.cost_per_item = 0.0
-        self._burst = 1
         self._readers = 0
         self._readers_lock = threading.Lock()  # += on an int is not atomic
         self._stamped = stamper.stamped
         #: The reader whose lines this stream pulls as ranges that workers
         #: read (``ReadLines.take_range``), or ``None``; set by the run.
         self.ranges: Any = None
-        #: A range the reader has handed out and ``pull`` not yet stored.
-        self.took: list[Any] = []
         #: The chunk whose line could not be read (raised as read_lines raises).
         self.read_failed: Chunk | None = None
-        # The resumed inputs still to re-send, as (seq, item, stamp): the
-        # checkpoint's entry (``resume``) unrolled into the queue that pulls
-        # consume and a capture reads; the entry itself is not kept.
-        self._resume: deque[tuple[int, Any, Any]] = deque()
-        self._resume_skip: set[int] = set()
-        self._resume_skip_first = (-1, 0)
-        if resume is not None:
-            stamps = resume.stamps or [None] * len(resume.items)
-            # In-flight byte ranges become ranges of lines, read by the tip
-            # (check_pipeline refused ranges for a stage that reads none).
-            reader: Any = tip
-            ranges = [reader.resumed_range(record) for record in resume.ranges]
-            seq, r = resume.first_seq, 0
-            # A range of lines stays one entry (one chunk when re-sent).
-            for k, (item, stamp) in enumerate([*zip(resume.items, stamps), (None, None)]):
-                while r < len(ranges) and ranges[r][0] == k:
-                    lines = ranges[r][1]
-                    self._resume.append((seq, lines, None))
-                    seq += len(lines)
-                    r += 1
-                if k < len(resume.items):
-                    self._resume.append((seq, item, stamp))
-                    seq += 1
-            self._resume_skip = set(resume.skip)
-            self._resume_skip_first = (resume.first_seq, resume.skip_outputs)
+        # In-flight byte ranges become ranges of lines, read by the tip
+        # (check_pipeline refused ranges for a stage that reads none).
+        reader: Any = tip
+        ranges = [] if resume is None else [reader.resumed_range(r) for r in resume.ranges]
+        #: The pull's part (``dispatch.pull`` alone changes it): the
+        #: checkpoint's in-flight inputs to dispatch again first, and more.
+        self.pulls = PullState(resume, ranges)
+        #: Reads this stream's part of a checkpoint (``dispatch.capture``).
+        self.checkpoint = Capture(self)
         self.last_stamp = delivered_stamp if delivered_stamp is not None else stamper()
         # Delivery position inside the current chunk.
         self.current: Chunk | None = None
@@ -247,6 +234,68 @@ class Stream(Capture):
         self._ending = False
         self._end_error: BaseException | None = None
         self._ended = False
+
+    # -- checkpoints (read by dispatch.capture) ---------------------------------
+
+    def reading(self, what: str = "state_dict()") -> Holding:
+        """``with s.reading(what), s.lock:`` holds both locks to read state.
+        The central thread yields to waiting readers between pull slices, so
+        a reader waits for at most one ``next()`` of the chain, and never
+        longer than ``config.CENTRAL_WAIT_S`` (then ``TimeoutError`` naming the stage
+        that keeps the chain). Both locks are released at C level (see
+        :class:`~centralpipe.dispatch.guard.Holding`): no interrupt can leave
+        either held."""
+        return Holding(self.chain_lock, what, self._chain_nodes, readers=self)
+
+    def capture(self) -> Captured:
+        """This stream's part of the checkpoint (:meth:`Capture.capture`)."""
+        return self.checkpoint.capture()
+
+    def capture_unlocked(self) -> Captured:
+        """:meth:`capture` for a caller holding the locks (:meth:`Capture.capture_unlocked`)."""
+        return self.checkpoint.capture_unlocked()
+
+    def delivered_stamp(self) -> Any:
+        """The count/shard stamp of the last delivered output (:meth:`Capture.delivered_stamp`)."""
+        return self.checkpoint.delivered_stamp()
+
+    def last_output_stamp(self) -> Any:
+        """:meth:`delivered_stamp` without the lock (:meth:`Capture.last_output_stamp`)."""
+        return self.checkpoint.last_output_stamp()
+
+    # -- the delivery position -------------------------------------------------
+
+    def delivered_in_current(self) -> int:
+        """Outputs of the current chunk delivered so far."""
+        it = self._cur_it
+        if it is None:
+            return 0
+        return self._cur_base + len(self._cur_list) - operator.length_hint(it)
+
+    def split_current(self, chunk: Chunk) -> tuple[int, int, int]:
+        """(first input not fully delivered, outputs of it delivered, input of
+        the last delivered output or -1) for the chunk being delivered."""
+        d = self.delivered_in_current() if chunk is self.current else 0
+        result = chunk.result
+        if result is None or (d == 0 and chunk is not self.current):
+            return 0, 0, -1
+        counts = result.counts
+        if counts is None and result.failures is None:
+            return d, 0, d - 1
+        counts = counts or [1] * len(chunk.items)
+        done = 0
+        last = -1
+        for i, n in enumerate(counts):
+            if i == chunk.raised_at and chunk is self.read_failed:
+                # A line that could not be read is consumed, as read_lines
+                # consumes it: a checkpoint resumes after it.
+                return i + 1, 0, last
+            if i == chunk.raised_at or done + n > d:
+                return i, d - done, (i if d > done else last)
+            done += n
+            if n:
+                last = i
+        return len(counts), 0, last
 
     # -- stamps ----------------------------------------------------------------
 
@@ -280,7 +329,7 @@ class Stream(Capture):
             if k > counts[0] and not failed_first:
                 # Only a worker flat_map makes several outputs per input, and
                 # only running it tells how many: checked here, before delivery.
-                chunk.bad_skip = (
+                chunk.mark_bad_skip(
                     f"damaged checkpoint: in_flight['{self.dispatch_name}'].skip_outputs must "
                     f"be <= {counts[0]} (the outputs of item seq {chunk.first_seq}), got {k}."
                 )
@@ -310,7 +359,7 @@ class Stream(Capture):
                 failures=kept or None, counts=result.counts or [1] * len(chunk.items)
             )
         if self.pinner is not None and result.outputs:
-            chunk.pinned = self.pinner.submit(result.outputs)
+            chunk.set_pinned(self.pinner.submit(result.outputs))
         return result
 
     # -- delivery --------------------------------------------------------------
@@ -409,7 +458,7 @@ class Stream(Capture):
         it = self._cur_it
         assert it is not None
         failure = self._cur_failure
-        if failure is None or self._delivered_in_current() < self._cur_limit:
+        if failure is None or self.delivered_in_current() < self._cur_limit:
             # ``for``, not ``next(it, _END)``: CPython may handle a Ctrl-C
             # right after a call returns, so the interrupt would land with
             # the iterator advanced and the output dropped (every later
@@ -423,7 +472,7 @@ class Stream(Capture):
         if _is_read_failure(chunk, failure):
             # As read_lines raises it: a central stage's error, after the
             # lines before it; the stream ends (a checkpoint resumes after it).
-            chunk.raised_at = failure.at
+            chunk.mark_raised(failure.at)
             self.read_failed = chunk
             self.broken = True
             lines = cast(LineRange, chunk.items)
@@ -445,7 +494,7 @@ class Stream(Capture):
             remote_traceback=failure.traceback or None,
             exitcode=failure.exitcode,
         )
-        chunk.raised_at = failure.at
+        chunk.mark_raised(failure.at)
         self.broken = True
         self._ended = True
         raise error
@@ -471,7 +520,7 @@ class Stream(Capture):
         future = chunk.pinned
         while True:
             try:
-                pinned = future.result(timeout=_PIN_POLL_S)
+                pinned = future.result(timeout=timeouts.PIN_POLL_S)
                 break
             except concurrent.futures.TimeoutError:
                 if self.stopping:
@@ -486,8 +535,7 @@ class Stream(Capture):
                 self._ending = True
                 self._end()
         result = result._replace(outputs=pinned)
-        chunk.result = result
-        chunk.pinned = None
+        chunk.put_pinned(result)
         return result
 
     def _retire(self, chunk: Chunk) -> None:
@@ -536,4 +584,4 @@ class Stream(Capture):
 
     def delivered_in_chunk(self) -> int:
         """Outputs of the current chunk already delivered (for metrics)."""
-        return self._delivered_in_current() if self.current is not None else 0
+        return self.delivered_in_current() if self.current is not None else 0

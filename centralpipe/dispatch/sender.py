@@ -30,12 +30,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from centralpipe.dispatch.guard import busy_stage
+from centralpipe.dispatch import timeouts
+from centralpipe.dispatch.chunk import Chunk
 from centralpipe.dispatch.pull import has_room, pull_chunk, target_chunk
 from centralpipe.dispatch.reorder import FIRST_CHUNK, Driver, Stream
-from centralpipe.dispatch.supervisor import POLL_S, Session
+from centralpipe.dispatch.supervisor import Session
 from centralpipe.dispatch.wire import protocol
-from centralpipe.dispatch.wire.protocol import Chunk, ChunkResult, StageFailure
+from centralpipe.dispatch.wire.protocol import ChunkResult, StageFailure
 from centralpipe.dispatch.worker.loop import result_message, run_received
 from centralpipe.dispatch.worker.ranges import LineRange, run_range
 
@@ -77,7 +78,7 @@ def sendable_items(s: Stream, chunk: Chunk, *, roundtrip: bool = False) -> list[
     unpickled again) replaced by ``None`` and recorded in ``chunk.unsendable``
     (the rest of the chunk goes on)."""
     items = list(chunk.items)
-    chunk.unsendable = [f for f in chunk.unsendable if f.text]  # keep poison items
+    failures = [f for f in chunk.unsendable if f.text]  # keep poison items
     for i, item in enumerate(items):
         exc = protocol.picklable_error(item, roundtrip=roundtrip)
         if exc is not None:
@@ -86,8 +87,9 @@ def sendable_items(s: Stream, chunk: Chunk, *, roundtrip: bool = False) -> list[
                 "for the worker stages: "
                 f"{protocol.exception_text(exc)}"
             )
-            chunk.unsendable.append(StageFailure(i, s.dispatch_name, type(exc).__name__, text, ""))
+            failures.append(StageFailure(i, s.dispatch_name, type(exc).__name__, text, ""))
             items[i] = None
+    chunk.set_unsendable(failures)
     return items
 
 
@@ -101,16 +103,21 @@ def encode_chunk(run_id: int, s: Stream, chunk: Chunk) -> protocol.Encoded:
     pickled are failures of the boundary stage (:func:`sendable_items`)."""
 
     def message(items: list[Any]) -> tuple[Any, ...]:
-        return protocol.chunk_message(
+        msg, flats = protocol.chunk_message(
             run_id,
             s.stream_id,
-            chunk,
+            chunk.cid,
             s.epoch,
+            chunk.first_seq,
             items,
             run_skip(chunk),
+            chunk.per_item,
             s.rng_key(chunk),
             s.chain.flat_arrays,
         )
+        if flats is not None:
+            chunk.set_flats(flats)
+        return msg
 
     try:
         return protocol.encode(message(chunk.items))
@@ -138,7 +145,7 @@ def run_as_worker(s: Stream, chunk: Chunk) -> ChunkResult:
             break
         if chunk.per_item:  # cannot happen: each item is sealed on its own
             raise RuntimeError(f"chunk {chunk.cid} cannot be decoded even item by item")
-        chunk.per_item = True
+        chunk.seal_per_item()
     if chunk.per_item:
         stage = s.chain.specs[-1].name if s.chain.specs else None
         result = protocol.unseal_outputs(result, stage, s.dispatch_name)
@@ -150,24 +157,32 @@ def send_chunk(session: Session, s: Stream, chunk: Chunk) -> None:
     worker already has it or its result is in."""
     ex = session.executor
     if chunk.slot < 0:
-        chunk.slot = session.next_slot()
+        chunk.assign(session.next_slot())
     slot = ex.slots[chunk.slot]
-    with slot.send_lock:
-        if chunk.sent_gen == slot.gen or chunk.result is not None:
-            return
-        encoded = encode_chunk(session.run_id, s, chunk)
-        # Marked sent before writing: the result (or a request to send the
-        # chunk again per item) may come back before the write returns. A
-        # failed write means a dead worker: its replacement bumps ``gen``.
-        chunk.sent_gen = slot.gen
-        try:
-            ex.send(slot, encoded)
-        except BaseException:
-            # Cut short (Ctrl-C): not known to be sent. A worker process
-            # that may hold part of it is replaced by the executor (and the
-            # chunk sent again); a worker thread is sent it again.
-            chunk.sent_gen = -1
-            raise
+    # ``session.sending`` tells a stop that this thread waits on a worker, not
+    # on a central stage (FeederDriver.in_central). A send from inside a
+    # parallel stage's next() restores the outer value (False) as it ends.
+    outer = session.sending
+    session.sending = True
+    try:
+        with slot.send_lock:
+            if chunk.sent_gen == slot.gen or chunk.result is not None:
+                return
+            encoded = encode_chunk(session.run_id, s, chunk)
+            # Marked sent before writing: the result (or a request to send the
+            # chunk again per item) may come back before the write returns. A
+            # failed write means a dead worker: its replacement bumps ``gen``.
+            chunk.mark_sent(slot.gen)
+            try:
+                ex.send(slot, encoded)
+            except BaseException:
+                # Cut short (Ctrl-C): not known to be sent. A worker process
+                # that may hold part of it is replaced by the executor (and the
+                # chunk sent again); a worker thread is sent it again.
+                chunk.mark_unsent()
+                raise
+    finally:
+        session.sending = outer
 
 
 def drain_resends(session: Session) -> None:
@@ -255,7 +270,7 @@ class InlineDriver(Driver):
             )
         else:
             result = ChunkResult(list(chunk.items), None, None, 0.0)
-        chunk.result = s.accept(chunk, result)
+        chunk.put_result(s.accept(chunk, result))
         return chunk
 
 
@@ -300,12 +315,8 @@ class SegmentDriver(Driver):
                 continue  # keep the workers fed before waiting
             session.wake.wait_unless(
                 lambda: _head_ready(s) or bool(session.resend) or session.error is not None,
-                POLL_S,
+                timeouts.POLL_S,
             )
-
-
-#: A feeder in these is not stuck in a central stage (a worker may unblock it).
-_SEND_CODES = frozenset({send_chunk.__code__})
 
 
 class FeederDriver(Driver):
@@ -325,12 +336,12 @@ class FeederDriver(Driver):
         self.launched = True
         self.thread.start()
 
-    def _in_central(self) -> bool:
-        """The feeder is inside a central ``next()`` (not sending to a worker)."""
-        ident = self.thread.ident
-        if ident is None:  # not started
-            return False
-        return busy_stage(self.stream._chain_nodes, ident, _SEND_CODES) is not None
+    def in_central(self) -> bool:
+        """The feeder is inside a central ``next()`` (holds the chain lock to
+        pull: ``Stream.in_chain``) and not sending to a worker
+        (``Session.sending``): a stop does not wait for it, as only that
+        ``next()`` returning can free it."""
+        return self.stream.in_chain and not self.session.sending
 
     def _room(self) -> bool:
         return has_room(self.stream) and self.session.held.may_pull(self.stream)
@@ -342,7 +353,7 @@ class FeederDriver(Driver):
                 drain_resends(session)
                 if not self._room():
                     session.wake.wait_unless(
-                        lambda: s.stopping or bool(session.resend) or self._room(), POLL_S
+                        lambda: s.stopping or bool(session.resend) or self._room(), timeouts.POLL_S
                     )
                     continue
                 chunk = pull_chunk(s)
@@ -371,14 +382,14 @@ class FeederDriver(Driver):
                 session.check()
                 session.wake.wait_unless(
                     lambda: _head_ready(s) or session.error is not None or self.error is not None,
-                    POLL_S,
+                    timeouts.POLL_S,
                 )
         finally:
             s.stats.wait_workers_s += time.perf_counter() - started
 
     def stop(self) -> None:
         sender = self.thread if self.launched else None
-        self.session.stop(sender=sender, in_central=self._in_central)
+        self.session.stop(sender=sender, in_central=self.in_central)
 
     def worker_states(self) -> list[Any] | None:
         return self.session.worker_states()

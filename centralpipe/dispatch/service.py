@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from centralpipe.config import LoaderConfig
-from centralpipe.dispatch import rendezvous
+from centralpipe.dispatch import rendezvous, timeouts
 from centralpipe.dispatch.local import LocalCentral
 from centralpipe.dispatch.wire import transport
 from centralpipe.dispatch.wire.stash import RingWriter, receive_ring
@@ -55,12 +55,8 @@ from centralpipe.dispatch.worker.loop import main_alive
 from centralpipe.errors import ServiceError
 from centralpipe.plan.pipeline import Pipeline
 
-__all__ = ["ACCEPT_TIMEOUT_S", "WATCHDOG_S", "Server", "serve"]
+__all__ = ["Server", "serve"]
 
-#: How long the service waits for its client to connect.
-ACCEPT_TIMEOUT_S = 60.0
-#: How often the service's watchdog checks that its client lives.
-WATCHDOG_S = 0.5
 
 _SUPERSEDED = (
     "this iterator was superseded: iter(loader), load_state_dict() or close() "
@@ -73,7 +69,7 @@ def _watchdog(client_pid: int, parent_pid: int) -> None:
     service re-parented), even inside a central ``next()``: its workers then
     see it gone and end too."""
     while True:
-        time.sleep(WATCHDOG_S)
+        time.sleep(timeouts.SERVICE_WATCHDOG_S)
         if os.getppid() != parent_pid or not main_alive(client_pid):
             os._exit(0)
 
@@ -121,10 +117,10 @@ def _clients(
     conns: list[Connection] = []
     listener = rendezvous.listen(path)
     try:
-        listener.settimeout(ACCEPT_TIMEOUT_S)
+        listener.settimeout(timeouts.ACCEPT_TIMEOUT_S)
         ready.send_bytes(b"ready")
         ready.close()
-        deadline = time.monotonic() + ACCEPT_TIMEOUT_S
+        deadline = time.monotonic() + timeouts.ACCEPT_TIMEOUT_S
         while len(conns) < 2 and time.monotonic() < deadline:
             try:
                 conns.append(rendezvous.accept(listener, token, expect_pid=client_pid))

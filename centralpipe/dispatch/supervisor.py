@@ -22,24 +22,17 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
+from centralpipe.dispatch import timeouts
 from centralpipe.dispatch.budget import ResultBytes
+from centralpipe.dispatch.chunk import Chunk
 from centralpipe.dispatch.executors.pool import Executor, Slot
 from centralpipe.dispatch.guard import Wake, join_started
 from centralpipe.dispatch.reorder import Stream, StreamStats, logger
 from centralpipe.dispatch.wire import protocol
-from centralpipe.dispatch.wire.protocol import MSG_RESULT, MSG_STATES, Chunk, StageFailure
+from centralpipe.dispatch.wire.protocol import MSG_RESULT, MSG_STATES, StageFailure
 from centralpipe.errors import WorkerError
 
-__all__ = ["POLL_S", "Policy", "Session"]
-
-#: Longest single wait of any thread before it re-checks for stop and errors.
-POLL_S = 0.1
-#: How long stopping a session may take before stuck workers are killed.
-STOP_TIMEOUT_S = 5.0
-#: How long worker_states() waits for every worker's answer.
-STATES_TIMEOUT_S = 30.0
-#: With ``timeout_s`` set, how long a worker that owes results may take to start up.
-STARTUP_GRACE_S = 30.0
+__all__ = ["Policy", "Session"]
 
 
 class Policy:
@@ -82,6 +75,11 @@ class Session:
         self.error: BaseException | None = None
         #: Set first when the run is stopped: senders and waiters give up.
         self.abandoned = False
+        #: The sending thread is in :func:`~centralpipe.dispatch.sender.send_chunk`
+        #: (encoding a chunk or writing it to a worker), even from inside a
+        #: parallel stage's ``next()``: a worker may unblock it, so it is not
+        #: stuck in a central stage. Written by the sending thread alone.
+        self.sending = False
         self.stopping = False
         self.strikes: dict[tuple[int, int], int] = defaultdict(int)
         self.states: dict[int, Any] = {}
@@ -131,7 +129,7 @@ class Session:
         try:
             while not self.stopping:
                 self._paused = paused = self._pause()
-                for event in self.executor.wait(POLL_S, paused):
+                for event in self.executor.wait(timeouts.POLL_S, paused):
                     if self.stopping:
                         break
                     if event.message is None:
@@ -173,7 +171,7 @@ class Session:
             stream.stats.items_per_worker[slot.index] += len(chunk.items)
             sized = stream.stats.bytes_per_item >= 0
             self.held.add(stream, chunk, nbytes)
-            chunk.result = stream.accept(chunk, result)
+            chunk.put_result(stream.accept(chunk, result))
             # Only the head chunk's result is waited for (a result never makes
             # room, except the first, which tells the stream's size): a later
             # chunk is found ready by the reader before it waits (``wake`` is
@@ -188,8 +186,7 @@ class Session:
     def _resend_per_item(self, stream: Stream, chunk: Chunk) -> None:
         if chunk.per_item:  # cannot happen: each item is sealed on its own
             raise RuntimeError(f"chunk {chunk.cid} cannot be decoded even item by item")
-        chunk.per_item = True
-        chunk.sent_gen = -1
+        chunk.resend_per_item()
         self.resend.append((stream, chunk))
         self.notify()
 
@@ -218,7 +215,7 @@ class Session:
                 self._owed_since.pop(slot.index, None)
                 continue
             since = self._owed_since.setdefault(slot.index, now)
-            allowed = timeout_s if slot.ready() else max(timeout_s, STARTUP_GRACE_S)
+            allowed = timeout_s if slot.ready() else max(timeout_s, timeouts.STARTUP_GRACE_S)
             if now - since > allowed:
                 self._owed_since.pop(slot.index, None)
                 self._recover(slot, hung=True)
@@ -247,7 +244,7 @@ class Session:
             ex.kill(slot)
             what = f"hung for more than timeout_s={timeout_s}"
             if not slot.ready():
-                what = f"did not start within {max(timeout_s or 0, STARTUP_GRACE_S)} s"
+                what = f"did not start within {max(timeout_s or 0, timeouts.STARTUP_GRACE_S)} s"
         else:
             what = ex.exit_text(slot)
             if not slot.ready():
@@ -311,7 +308,7 @@ class Session:
         if stage:
             text += f" in stage '{stage}'"
         if stream.on_error == "skip":
-            chunk.skip = chunk.skip | {at}  # a new set: readers may be iterating the old one
+            chunk.add_skip(at)
             stream.stats.skipped += 1
             logger.warning("skipping %s", text)
             return
@@ -325,7 +322,7 @@ class Session:
         # Not raised here: the chunk is re-sent without the item, and the
         # error is raised in its place, after every item before it.
         failure = StageFailure(at, stage, "", "", "", text=text + hint, exitcode=exitcode)
-        chunk.unsendable = [*chunk.unsendable, failure]  # a new list: readers may iterate
+        chunk.add_failure(failure)
 
     # -- control ---------------------------------------------------------------
 
@@ -339,7 +336,7 @@ class Session:
             for slot in self.executor.slots:
                 with slot.send_lock:
                     self.executor.send_control(slot, (MSG_STATES,))
-            deadline = time.monotonic() + STATES_TIMEOUT_S
+            deadline = time.monotonic() + timeouts.STATES_TIMEOUT_S
 
             def answered() -> bool:
                 return len(self.states) >= len(self.executor.slots) or self.error is not None
@@ -349,8 +346,8 @@ class Session:
                 if left <= 0:
                     missing = [s.index for s in self.executor.slots if s.index not in self.states]
                     msg = f"workers {missing} did not answer a state request in "
-                    raise RuntimeError(f"{msg}{STATES_TIMEOUT_S} s.")
-                self.wake.wait_unless(answered, min(left, POLL_S))
+                    raise RuntimeError(f"{msg}{timeouts.STATES_TIMEOUT_S} s.")
+                self.wake.wait_unless(answered, min(left, timeouts.POLL_S))
         finally:
             self.asking = False
         self.check()
@@ -373,12 +370,12 @@ class Session:
         self.executor.set_run(self.run_id + 1)
         self.notify()
         if sender is not None and sender is not threading.current_thread():
-            deadline = time.monotonic() + STOP_TIMEOUT_S
-            join_started(sender, POLL_S)
+            deadline = time.monotonic() + timeouts.STOP_TIMEOUT_S
+            join_started(sender, timeouts.POLL_S)
             while sender.is_alive() and time.monotonic() < deadline:
                 if in_central is not None and in_central():
                     break
-                sender.join(POLL_S)
+                sender.join(timeouts.POLL_S)
             else:
                 if sender.is_alive():
                     for slot in self.executor.slots:
@@ -387,5 +384,5 @@ class Session:
         self.stopping = True
         self.executor.interrupt()
         if self.launched and self.thread is not threading.current_thread():
-            join_started(self.thread, STOP_TIMEOUT_S)
+            join_started(self.thread, timeouts.STOP_TIMEOUT_S)
         self.stopped = True

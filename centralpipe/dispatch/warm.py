@@ -50,10 +50,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from centralpipe.dispatch.chunk import Chunk
 from centralpipe.dispatch.executors.pool import Executor
 from centralpipe.dispatch.reorder import Driver, Stream
 from centralpipe.dispatch.sender import InlineDriver
-from centralpipe.dispatch.wire.protocol import Chunk
 
 __all__ = ["WarmDriver", "WarmStart"]
 

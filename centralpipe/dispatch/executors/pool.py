@@ -114,6 +114,12 @@ class Executor(abc.ABC):
         """Bytes of results the workers' rings can lend at once (``None``: no rings)."""
         return None
 
+    def transport_bytes(self) -> dict[str, int] | None:
+        """Result bytes the workers sent out of band, by way, since the
+        executor started (``metrics()["dispatch"]["transport"]``); ``None``:
+        results are handed over as objects (no serialisation to count)."""
+        return None
+
     def ensure_alive(self) -> None:
         """Replace workers that died (or were given up) between runs."""
         for slot in self.slots:

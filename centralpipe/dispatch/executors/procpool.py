@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
 
+from centralpipe.dispatch import timeouts
 from centralpipe.dispatch.executors.pool import ABANDON_ALL, Event, Executor, Slot, describe_exit
 from centralpipe.dispatch.wire import protocol, shm
 from centralpipe.dispatch.wire.protocol import (
@@ -27,12 +28,7 @@ from centralpipe.dispatch.worker.loop import WorkerSpec, worker_main
 
 __all__ = ["FORKSERVER_PRELOAD", "SOCKET_BUFFER_BYTES", "ProcessPool", "warm_up"]
 
-_JOIN_TIMEOUT_S = 2.0
-_TERMINATE_TIMEOUT_S = 1.0
-_KILL_TIMEOUT_S = 5.0
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
-#: How often the main thread looks whether a step it handed to a helper thread is done.
-_FORK_POLL_S = 0.0005
 T = TypeVar("T")
 #: What the forkserver imports once, before it forks any worker, unless told
 #: otherwise: the worker loop (torch-free; see dispatch.preload). The user's
@@ -170,7 +166,7 @@ class ProcessPool(Executor):
             return None
         return int(self.ring_bytes * shm.LEND_SHARE) * len(self.slots)
 
-    def transport_bytes(self) -> dict[str, int]:
+    def transport_bytes(self) -> dict[str, int] | None:
         """Out-of-band result bytes received through the workers' shared-memory
         rings (of which lent: delivered without a copy) and through their
         pipes, since the pool started."""
@@ -369,7 +365,7 @@ def _off_the_main_thread(fn: Callable[[], T]) -> T:
         interrupted = exc
     while not finished:
         try:
-            time.sleep(_FORK_POLL_S)
+            time.sleep(timeouts.FORK_POLL_S)
         except BaseException as exc:  # a Ctrl-C in the wait: fn still finishes
             interrupted = exc
     if failed:
@@ -416,13 +412,13 @@ def _reap(proc: Any, graceful: bool = False) -> int | None:
     except ValueError:  # closed: reaped already (by a close cut short)
         return None
     if graceful:
-        proc.join(_JOIN_TIMEOUT_S)
+        proc.join(timeouts.JOIN_TIMEOUT_S)
     if proc.is_alive():
         proc.terminate()
-        proc.join(_TERMINATE_TIMEOUT_S)
+        proc.join(timeouts.TERMINATE_TIMEOUT_S)
     if proc.is_alive():
         proc.kill()
-        proc.join(_KILL_TIMEOUT_S)
+        proc.join(timeouts.KILL_TIMEOUT_S)
     else:
         proc.join(0)
     code: int | None = proc.exitcode

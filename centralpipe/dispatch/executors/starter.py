@@ -25,15 +25,13 @@ from __future__ import annotations
 import threading
 from multiprocessing.connection import wait
 
+from centralpipe.dispatch import timeouts
 from centralpipe.dispatch.executors.pool import Executor, Slot
 
 __all__ = ["BACKGROUND_METHODS", "BackgroundStart"]
 
 #: Start methods whose workers start in the background.
 BACKGROUND_METHODS = ("forkserver", "spawn")
-#: How long ``cancel`` waits for a worker's start in progress: it waits on the
-#: forkserver, which finishes its imports first (seconds under heavy load).
-_CANCEL_JOIN_TIMEOUT_S = 60.0
 
 
 class BackgroundStart:
@@ -89,7 +87,7 @@ class BackgroundStart:
         """Stop the start (after the worker being started), wait for the
         thread, and close whatever started; idempotent."""
         self._stop.set()
-        self._thread.join(_CANCEL_JOIN_TIMEOUT_S)
+        self._thread.join(timeouts.CANCEL_JOIN_TIMEOUT_S)
         # Past the timeout the thread is still inside one worker's start: the
         # pool's pipe ends close here, so that worker exits on its own.
         self.pool.close()

@@ -9,6 +9,7 @@ import threading
 import types
 from typing import Any
 
+from centralpipe.dispatch import timeouts
 from centralpipe.dispatch.budget import estimate_nbytes
 from centralpipe.dispatch.executors.pool import ABANDON_ALL, Event, Executor, Slot
 from centralpipe.dispatch.wire import protocol
@@ -21,10 +22,6 @@ from centralpipe.dispatch.wire.protocol import (
 from centralpipe.dispatch.worker.loop import WorkerSpec, serve
 
 __all__ = ["ThreadPool"]
-
-_THREAD_JOIN_TIMEOUT_S = 1.0
-#: How often a paused worker thread re-checks whether it may hand over its result.
-_PAUSE_POLL_S = 0.1
 
 
 class ThreadPool(Executor):
@@ -41,7 +38,7 @@ class ThreadPool(Executor):
         self.current_run = types.SimpleNamespace(value=0)
         self.outbox: queue.Queue[tuple[int, int, Any] | None] = queue.Queue()
         # Paused slots (dispatch.budget): their threads wait before handing
-        # over a result, re-checking every _PAUSE_POLL_S.
+        # over a result, re-checking every timeouts.PAUSE_POLL_S.
         self._paused: frozenset[int] = frozenset()
         self._resume = threading.Condition()
 
@@ -64,7 +61,7 @@ class ThreadPool(Executor):
                 result = protocol.group_outputs(result)
             with self._resume:
                 while index in self._paused and slot.gen == gen and not self.closed:
-                    self._resume.wait(_PAUSE_POLL_S)
+                    self._resume.wait(timeouts.PAUSE_POLL_S)
             outbox.put((index, gen, (MSG_RESULT, run_id, stream, cid, result)))
             return True
 
@@ -152,6 +149,6 @@ class ThreadPool(Executor):
                 slot.inbox.put(None)
         for slot in self.slots:
             if slot.process is not None:
-                slot.process.join(_THREAD_JOIN_TIMEOUT_S)
+                slot.process.join(timeouts.THREAD_JOIN_TIMEOUT_S)
                 slot.process = None
         self.shut = True

@@ -1,4 +1,4 @@
-"""What crosses the dispatch boundary: messages, chunks, results, and encoding.
+"""What crosses the dispatch boundary: messages, chunks' items, results, and encoding.
 
 Every message between the main process and a worker, and every copy of items
 made for the worker stages, goes through the functions here; they are the
@@ -51,7 +51,6 @@ __all__ = [
     "STATUS_STARTED",
     "STATUS_STREAM",
     "STATUS_VERSION",
-    "Chunk",
     "ChunkResult",
     "Encoded",
     "StageFailure",
@@ -160,55 +159,6 @@ class ChunkResult(NamedTuple):
     elapsed_s: float
 
 
-class Chunk:
-    """Consecutive dispatched items (``first_seq`` …) sent as one message."""
-
-    __slots__ = (
-        "bad_skip",
-        "cid",
-        "closed",
-        "first_seq",
-        "flats",
-        "held_bytes",
-        "items",
-        "per_item",
-        "pinned",
-        "raised_at",
-        "result",
-        "sent_gen",
-        "skip",
-        "skip_first",
-        "slot",
-        "stamps",
-        "state_part",
-        "unsendable",
-    )
-
-    def __init__(self, cid: int, first_seq: int, stamped: bool) -> None:
-        self.cid = cid
-        self.first_seq = first_seq
-        self.items: list[Any] = []
-        self.stamps: list[Any] | None = [] if stamped else None
-        self.slot = -1
-        self.sent_gen = -1
-        self.result: ChunkResult | None = None
-        self.skip: set[int] = set()  # input indexes not to run (poison items)
-        self.skip_first = 0  # outputs of input 0 delivered before a resume
-        self.bad_skip = ""  # why skip_first cannot be right (a damaged checkpoint)
-        self.closed = False
-        self.raised_at = -1  # input whose failure was raised to the consumer
-        # inputs that cannot be pickled (failures at the boundary stage) and
-        # poison items (with on_error="raise"): failures known before a result
-        self.unsendable: list[StageFailure] = []
-        self.pinned: Any = None  # a Future of the pinned outputs (pin_memory=True)
-        self.per_item = False  # items and outputs sealed one by one (see above)
-        self.held_bytes = 0  # bytes its result holds until delivered (dispatch.budget)
-        # The items as sent when each is a list of arrays (wire.tokens), and
-        # their checkpoint form once made (checkpoint.compact): (item count, part).
-        self.flats: list[tokens.Flat] | None = None
-        self.state_part: tuple[int, Any] | None = None
-
-
 class Encoded(NamedTuple):
     """A message serialised once, ready to be written to a connection."""
 
@@ -288,38 +238,31 @@ def recv_counted(conn: Connection, ring: Ring | None = None) -> tuple[Any, int]:
 def chunk_message(
     run_id: int,
     stream: int,
-    chunk: Chunk,
+    cid: int,
     epoch: int,
+    first_seq: int,
     items: list[Any],
     skip: frozenset[int],
+    per_item: bool,
     rng_key: tuple[int, int],
     flat_groups: bool = True,
-) -> tuple[Any, ...]:
-    """The ``MSG_CHUNK`` message of ``chunk`` (of stream ``stream``) with these
-    items; with ``flat_groups``, an item that is a list of 1-D arrays or
-    tensors travels as one buffer plus offsets (:mod:`~centralpipe.dispatch.wire.tokens`)."""
+) -> tuple[tuple[Any, ...], list[tokens.Flat] | None]:
+    """The ``MSG_CHUNK`` message of chunk ``cid`` (of stream ``stream``) with
+    these items, and the flat buffers they went as when every item is one
+    (else ``None``); with ``flat_groups``, an item that is a list of 1-D
+    arrays or tensors travels as one buffer plus offsets
+    (:mod:`~centralpipe.dispatch.wire.tokens`)."""
     # A byte range of lines (``worker.ranges.LineRange``) goes as its fields:
     # its lines are read by the worker, never here.
+    flats: list[tokens.Flat] | None = None
     if flat_groups and isinstance(items, list):
         items = [_flat_or_same(x) for x in items]
         # (no generator here: an interrupt at its start would be swallowed by all())
-        if len(items) == len(chunk.items) and set(map(type, items)) == {tokens.Flat}:
-            chunk.flats = items
-    sealed: Any = (
-        [transport.Sealed(x) for x in items] if chunk.per_item else transport.Sealed(items)
-    )
-    return (
-        MSG_CHUNK,
-        run_id,
-        stream,
-        chunk.cid,
-        epoch,
-        chunk.first_seq,
-        sealed,
-        skip,
-        chunk.per_item,
-        rng_key,
-    )
+        if set(map(type, items)) == {tokens.Flat}:
+            flats = items
+    sealed: Any = [transport.Sealed(x) for x in items] if per_item else transport.Sealed(items)
+    message = (MSG_CHUNK, run_id, stream, cid, epoch, first_seq, sealed, skip, per_item, rng_key)
+    return message, flats
 
 
 def _flat_or_same(items: Any) -> Any:

@@ -75,7 +75,6 @@ __all__ = [
     "RELEASE_BATCH_BYTES",
     "RELEASE_EVERY_BYTES",
     "RING_ALIGN",
-    "ROOM_WAIT_S",
     "Ring",
     "aligned",
     "available",
@@ -94,9 +93,6 @@ RELEASE_EVERY_BYTES = 2**20
 #: this many bytes (at most an eighth of the ring), or at the supervisor's
 #: next flush: one write per batch, not per result.
 RELEASE_BATCH_BYTES = 4 * 2**20
-#: How long a worker waits for room in its ring while the main process is
-#: using earlier results, before it sends a buffer on the pipe instead.
-ROOM_WAIT_S = 0.05
 #: At most this share of a ring is lent to received tensors and arrays at once.
 LEND_SHARE = 0.75
 # The hand-over message (its fds ride along): magic, ring capacity.

@@ -39,12 +39,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from centralpipe.dispatch import timeouts
 from centralpipe.dispatch.wire.shm import (
     EXTENT,
     HANDOVER,
     MAGIC,
     MIN_RING_BUFFER_BYTES,
-    ROOM_WAIT_S,
     aligned,
     dup_socket,
 )
@@ -189,7 +189,7 @@ class RingWriter:
         waiting at most ``ROOM_WAIT_S`` while earlier results are in use; -1
         if they do not fit by then. After a wait that found no room, the next
         ones do not wait until something is released."""
-        deadline = time.monotonic() + ROOM_WAIT_S
+        deadline = time.monotonic() + timeouts.ROOM_WAIT_S
         while True:
             at = self._alloc(n)
             left = deadline - time.monotonic()

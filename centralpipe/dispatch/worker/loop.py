@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+from centralpipe.dispatch import timeouts
 from centralpipe.dispatch.wire import protocol
 from centralpipe.dispatch.wire.protocol import (
     MSG_CHUNK,
@@ -44,8 +45,6 @@ from centralpipe.dispatch.worker.chain import WorkerChain
 from centralpipe.dispatch.worker.ranges import LineRange, run_range
 
 __all__ = ["WorkerSpec", "result_message", "run_received", "serve", "worker_main"]
-#: How often a worker checks that the main process is still alive.
-_WATCHDOG_INTERVAL_S = 0.25
 
 #: ``send_result(run_id, stream, cid, result, per_item) -> still connected``
 SendResult = Callable[[int, int, int, ChunkResult, bool], bool]
@@ -140,7 +139,7 @@ def _watchdog(main_pid: int, parent_pid: int) -> None:
     while True:
         if os.getppid() != parent_pid or not main_alive(main_pid):
             os._exit(0)
-        time.sleep(_WATCHDOG_INTERVAL_S)
+        time.sleep(timeouts.WORKER_WATCHDOG_S)
 
 
 def worker_main(

@@ -291,10 +291,10 @@ def decode_heap(value: Any) -> Any:
     """The heap entries ``[[length, arrival, item], ...]`` an encoded heap
     stands for; any other value as it is (for the caller to judge).
     ``ValueError`` for a damaged one."""
-    if not compact.is_compact(value):
-        return value
     if isinstance(value, dict):  # the first compact format
         return compact.decode_keyed(value, ("length", "arrival"))
+    if not compact.is_compact(value):
+        return value
     body = compact.encoded_body(value, dict)
     if set(body) != {_SEGMENTS} or not isinstance(body[_SEGMENTS], list):
         raise ValueError(f"a compact heap must be {{'segments': [...]}}, got keys {sorted(body)}")

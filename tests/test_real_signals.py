@@ -119,6 +119,8 @@ STAGE_KINDS = {
         p.map(_tokens).bucket_by_max_tokens(12, buffer_size=16).flat_map(_firsts).dispatch()
     ),
     "pack-best-fit": lambda p: p.pack(12, len_fn=_size, buffer_size=16).flat_map(_same).dispatch(),
+    # read_lines pulled line by line (produce): the file read and the position moved
+    "read-lines": lambda p: p.read_lines().map(int).dispatch(),
     "pack-first-fit": lambda p: (
         p.pack(12, len_fn=_size, buffer_size=16, strategy="first_fit").flat_map(_same).dispatch()
     ),
@@ -140,8 +142,9 @@ def _lines_glob() -> str:
 
 
 def _pipe(kind: str) -> cp.Pipeline:
-    if kind == "ranges":
-        return KINDS[kind][1](cp.Pipeline.from_files(_lines_glob(), name=SOURCE))
+    if kind in ("ranges", "read-lines"):
+        build = KINDS[kind][1] if kind in KINDS else STAGE_KINDS[kind]
+        return build(cp.Pipeline.from_files(_lines_glob(), name=SOURCE))
     build = KINDS[kind][1] if kind in KINDS else STAGE_KINDS[kind]
     return build(cp.Pipeline.from_iterable(range(N)))
 

@@ -20,7 +20,11 @@ and has not pushed yet in ``held`` (a ``len_fn`` that raises drops its input
 only; the ones after it stay held). The next ``next()`` carries on from
 there, and a checkpoint taken meanwhile records it. The heap, the batch and
 the held inputs are saved compact when they are 1-D arrays
-(:mod:`centralpipe.checkpoint.compact`).
+(:mod:`centralpipe.checkpoint.compact`); the heap is kept as segments as it
+changes (:mod:`centralpipe.checkpoint.table`), so a state costs the entries
+pushed and popped since the last one: the arena learns of each push and pop
+just before the heap call, and ``_settle`` finishes one an interrupt cut
+short between the two.
 """
 
 from __future__ import annotations

@@ -88,9 +88,16 @@ class _Segment:
         }
 
     def with_dead(self, index: Any) -> _Segment:
+        """This segment with the entries at ``index`` (distinct, live) dead:
+        a new mask, every other column shared."""
         live = self.live.copy()
         live[index] = False
-        return _Segment(self.key, self.values, self.sizes, self.length, self.arrival, live)
+        out = _Segment.__new__(_Segment)
+        out.key, out.values, out.sizes = self.key, self.values, self.sizes
+        out.length, out.arrival, out.live = self.length, self.arrival, live
+        out.n_live = self.n_live - len(index)
+        out.part = {**self.part, "live": torch.from_numpy(live)}
+        return out
 
 
 def _segment(entries: list[Any]) -> _Segment | None:

@@ -442,7 +442,9 @@ def _cut_at(kind: str, at: int, k: int) -> tuple[list[Any], str | None, list[Any
     return got, where, resumed
 
 
-@pytest.mark.timeout(120)
+# (a fresh loader resumes after every cut: about 30 s for bucket-arrays on
+# an idle 2-CPU machine, four times that when it is shared)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", list(STAGE_KINDS))
 def test_an_interrupt_as_any_call_of_the_stage_returns_loses_nothing(kind: str) -> None:
     """A KeyboardInterrupt at every function start and C call return of the

@@ -18,6 +18,8 @@
 - ``compact`` lists of 1-D arrays (token data: in-flight items, stage
   buffers) saved as one flat tensor plus lengths (:func:`encode_items` /
   :func:`decode_items`).
+- ``table``   a bucket's heap of such arrays kept as sealed segments, so a
+  state encodes what changed since the last one (:class:`HeapArena`).
 
 This package's names are the model's and the checks' (``model``'s import
 path before them was ``centralpipe.checkpoint``, which keeps them).

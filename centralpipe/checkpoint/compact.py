@@ -17,19 +17,27 @@ back to ``dtype`` when read.
 
 and :func:`decode_items` gives back the same list: the same types (numpy
 arrays stay numpy, tensors tensors), dtypes, values and writability, each
-array a view of one buffer. The encoded value is ``{"compact": 1, "parts":
-[part or list, ...]}`` (a list that does not qualify is kept as it is, so a
+array a view of one buffer. The encoded value is the tuple ``("compact", 2,
+[part or list, ...])`` (a list that does not qualify is kept as it is, so a
 part may be a plain list); any plain list, including every checkpoint written
-before this encoding, decodes to itself. Only builtins and tensors:
+before this encoding, decodes to itself, and so does the dict ``{"compact": 1,
+"parts": [...]}`` of the first compact format. Only builtins and tensors:
 ``torch.load(weights_only=True)`` reads it. A damaged value raises
 ``ValueError`` naming what is wrong.
+
+Why a tuple: ``torch.distributed.checkpoint`` walks dicts and lists down to
+their leaves and loads a tensor leaf in place into the template's tensor of
+the same shape, so a state whose structure depends on what a buffer holds
+cannot load into a fresh loader's ``state_dict()`` ("Missing key"). A tuple
+is one leaf to it, saved and loaded whole (as a fresh loader's empty list
+is), so the template needs no pre-sized tensors.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from itertools import chain
-from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -40,25 +48,31 @@ from centralpipe.validators import FieldError
 
 __all__ = [
     "COMPACT_KEY",
+    "FORMAT",
+    "PART_KEYS",
+    "Encoded",
     "copy_items",
     "count_items",
     "decode_items",
     "decode_keyed",
+    "decode_part",
     "decoded_items",
     "encode_items",
-    "encode_keyed",
     "encode_parts",
+    "encoded_body",
     "is_compact",
     "join_parts",
     "pack_part",
     "part_of_flats",
 ]
 
-#: The key (and format number) of an encoded list.
+#: The first element of an encoded value (the key of the first format's dict).
 COMPACT_KEY = "compact"
-_FORMAT = 1
+#: The format written: ``(COMPACT_KEY, FORMAT, body)``.
+FORMAT = 2
+_FORMAT_DICT = 1
 _PARTS = "parts"
-_PART_KEYS = frozenset(("kind", "dtype", "writeable", "values", "lengths", "groups"))
+PART_KEYS = frozenset(("kind", "dtype", "writeable", "values", "lengths", "groups"))
 _TORCH_DTYPES = {
     str(d).removeprefix("torch."): d
     for d in (
@@ -111,13 +125,6 @@ def _array_type(cls: type) -> bool:
     return cls is np.ndarray or cls is torch.Tensor
 
 
-def _may_pack(item: Any) -> bool:
-    """Whether a list starting with ``item`` may qualify (a quick first look)."""
-    if type(item) is list:
-        return bool(item) and _array_type(type(item[0]))
-    return _array_type(type(item))
-
-
 def pack_part(items: list[Any]) -> dict[str, Any] | list[Any]:
     """One list as a part: packed when it qualifies, else a copy of it."""
     if not items:
@@ -161,7 +168,12 @@ def part_of_flats(flats: Sequence[Flat]) -> dict[str, Any] | None:
     same = {(f.kind, f.writeable, f.flat.dtype) for f in flats}
     if len(same) != 1 or 0 in set(map(len, flats)):
         return None
-    lengths = np.concatenate([np.diff(f.ends, prepend=0) for f in flats])
+    # Every flat's lengths in three numpy calls, not two per flat: the
+    # differences of all ends, each flat's first length being its first end.
+    ends = np.concatenate([f.ends for f in flats])
+    lengths = np.diff(ends, prepend=0)
+    firsts = np.cumsum(np.fromiter(map(len, flats), dtype=np.int64, count=len(flats)))[:-1]
+    lengths[firsts] = ends[firsts]
     if first.kind == "numpy":
         values = torch.from_numpy(np.concatenate([f.flat for f in flats]))
         dtype = str(first.flat.dtype)
@@ -178,33 +190,51 @@ def part_of_flats(flats: Sequence[Flat]) -> dict[str, Any] | None:
     }
 
 
-def encode_parts(parts: Sequence[list[Any]]) -> dict[str, Any] | list[Any]:
+#: An encoded list: ``(COMPACT_KEY, FORMAT, parts)``, or a plain list.
+Encoded = tuple[str, int, list[Any]] | list[Any]
+
+
+def encode_parts(parts: Sequence[list[Any]]) -> Encoded:
     """The concatenation of ``parts`` (lists), each packed on its own when it
     qualifies; a plain list when none does (what older checkpoints hold)."""
     return join_parts([pack_part(p) for p in parts if p])
 
 
-def join_parts(encoded: Sequence[dict[str, Any] | list[Any]]) -> dict[str, Any] | list[Any]:
+def join_parts(encoded: Sequence[dict[str, Any] | list[Any]]) -> Encoded:
     """The value of parts made by :func:`pack_part` (in order)."""
     if dict not in set(map(type, encoded)):  # no generator: see protocol.chunk_message
         return list(chain.from_iterable(encoded))
-    return {COMPACT_KEY: _FORMAT, _PARTS: list(encoded)}
+    return (COMPACT_KEY, FORMAT, list(encoded))
 
 
-def encode_items(items: list[Any]) -> dict[str, Any] | list[Any]:
+def encode_items(items: list[Any]) -> Encoded:
     """``items`` as a checkpoint value: one packed part when it qualifies,
     else the list itself (a copy)."""
     return encode_parts([items])
 
 
 def _is_encoded(value: Any) -> bool:
+    if type(value) is tuple:
+        return len(value) == 3 and value[0] == COMPACT_KEY
     return isinstance(value, dict) and COMPACT_KEY in value
 
 
+def encoded_body(value: Any, body: type) -> Any:
+    """The body of an encoded value of the current format (a ``body``, a
+    list of parts or a table's dict); ``ValueError`` when it is not one."""
+    if type(value) is not tuple or len(value) != 3 or value[0] != COMPACT_KEY:
+        raise ValueError(f"expected a compact value, got {type(value).__name__}")
+    if value[1] != FORMAT:
+        raise ValueError(f"a compact value of format {value[1]!r} is not known")
+    if not isinstance(value[2], body):
+        raise ValueError(f"a compact body must be a {body.__name__}, got {type(value[2]).__name__}")
+    return value[2]
+
+
 def _check_part(part: Any) -> None:
-    if not isinstance(part, dict) or set(part) != _PART_KEYS:
+    if not isinstance(part, dict) or set(part) != PART_KEYS:
         keys = sorted(part) if isinstance(part, dict) else type(part).__name__
-        raise ValueError(f"a compact part must have the keys {sorted(_PART_KEYS)}, got {keys}")
+        raise ValueError(f"a compact part must have the keys {sorted(PART_KEYS)}, got {keys}")
     kind, dtype, values = part["kind"], part["dtype"], part["values"]
     if kind not in ("numpy", "torch") or dtype not in _TORCH_DTYPES:
         raise ValueError(f"a compact part of kind {kind!r} and dtype {dtype!r} is not known")
@@ -225,7 +255,8 @@ def _check_part(part: Any) -> None:
         raise ValueError(f"compact writeable must be a bool, got {part['writeable']!r}")
 
 
-def _decode_part(part: Any) -> list[Any]:
+def decode_part(part: Any) -> list[Any]:
+    """The items of one part (a list as it is); ``ValueError`` when damaged."""
     if isinstance(part, list):
         return list(part)
     _check_part(part)
@@ -266,50 +297,42 @@ def decoded_items(field: str, value: Any) -> Any:
 
 def decode_items(value: Any) -> list[Any]:
     """The list an encoded value stands for; a plain list as it is (a copy)."""
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple)) and not _is_encoded(value):
         return list(value)
     if not _is_encoded(value):
         raise ValueError(f"expected a list or a compact list, got {type(value).__name__}")
-    if value[COMPACT_KEY] != _FORMAT or set(value) != {COMPACT_KEY, _PARTS}:
-        raise ValueError(f"a compact list of format {value[COMPACT_KEY]!r} is not known")
-    parts = value[_PARTS]
-    if not isinstance(parts, list):
-        raise ValueError(f"compact parts must be a list, got {type(parts).__name__}")
-    return [x for part in parts for x in _decode_part(part)]
+    if isinstance(value, dict):  # the first format
+        if value[COMPACT_KEY] != _FORMAT_DICT or set(value) != {COMPACT_KEY, _PARTS}:
+            raise ValueError(f"a compact list of format {value[COMPACT_KEY]!r} is not known")
+        parts = value[_PARTS]
+        if not isinstance(parts, list):
+            raise ValueError(f"compact parts must be a list, got {type(parts).__name__}")
+    else:
+        parts = encoded_body(value, list)
+    return [x for part in parts for x in decode_part(part)]
 
 
 def count_items(value: Any) -> int:
     """How many items an encoded value (or a plain list) holds."""
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple)) and not _is_encoded(value):
         return len(value)
     return len(decode_items(value))
 
 
 def copy_items(value: Any) -> Any:
     """A copy of an encoded value's containers (its tensors are shared)."""
+    if type(value) is tuple and len(value) == 3:
+        return (value[0], value[1], copy.copy(value[2]))
     if isinstance(value, dict):
         return {**value, _PARTS: list(value.get(_PARTS, ()))}
     return list(value)
 
 
-def encode_keyed(entries: list[Any], keys: Sequence[str]) -> Any:
-    """Entries ``(int, ..., item)`` (a bucket's heap: length, arrival, item)
-    as ``{key: int tensor per int column, "items": encoded}`` when the items
-    qualify, else the list of entries as they are."""
-    if not entries or not _may_pack(entries[0][-1]):
-        return list(entries)
-    encoded = encode_items(list(map(itemgetter(-1), entries)))
-    if not _is_encoded(encoded):
-        return list(entries)
-    out: dict[str, Any] = {"items": encoded}
-    for i, key in enumerate(keys):
-        out[key] = _ints(map(itemgetter(i), entries), len(entries))
-    return out
-
-
 def decode_keyed(value: Any, keys: Sequence[str]) -> Any:
-    """Inverse of :func:`encode_keyed`: a list of ``[int, ..., item]``
-    entries (a plain list as it is). ``ValueError`` for a damaged one."""
+    """A table of the first compact format, ``{key: int tensor per int column,
+    "items": encoded}`` (a bucket's heap: ``checkpoint.table`` writes it
+    now), as a list of ``[int, ..., item]`` entries (a plain list as it
+    is). ``ValueError`` for a damaged one."""
     if not isinstance(value, dict):
         return value
     if set(value) != {"items", *keys}:

@@ -20,7 +20,11 @@ and has not pushed yet in ``held`` (a ``len_fn`` that raises drops its input
 only; the ones after it stay held). The next ``next()`` carries on from
 there, and a checkpoint taken meanwhile records it. The heap, the batch and
 the held inputs are saved compact when they are 1-D arrays
-(:mod:`centralpipe.checkpoint.compact`).
+(:mod:`centralpipe.checkpoint.compact`); the heap is kept as segments as it
+changes (:mod:`centralpipe.checkpoint.table`), so a state costs the entries
+pushed and popped since the last one: the arena learns of each push and pop
+just before the heap call, and ``_settle`` finishes one an interrupt cut
+short between the two.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import attrs
 from attrs import validators as v
 from torchdata.nodes import BaseNode
 
-from centralpipe.checkpoint import compact
+from centralpipe.checkpoint import compact, table
 from centralpipe.plan.specs import StageSpec
 from centralpipe.stages.base import (
     HELD,
@@ -66,7 +70,7 @@ HEAP_COLUMNS = ("length", "arrival")
 
 def _heap(value: Any) -> Any:
     try:
-        return compact.decode_keyed(value, HEAP_COLUMNS)
+        return table.decode_heap(value)
     except ValueError as exc:
         raise FieldError(HEAP_KEY, f"a list or a readable compact heap ({exc})", value) from None
 
@@ -219,10 +223,26 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
         self._taken = 0  # inputs at the front of ``held`` already pushed or dropped
         self._ready: list[Any] | None = None  # a batch made and not handed out yet
         self._ended = False  # the source raised StopIteration this epoch
+        # The heap's saved form, kept as it changes (checkpoint.table).
+        self._arena = table.HeapArena()
+
+    def _settle(self) -> None:
+        """Finish a push or pop that an interrupt cut short between the
+        arena's bookkeeping and the heap call (one at most: each is followed
+        by a heap call, and every entry point settles first)."""
+        arena, heap = self._arena, self._heap
+        if arena.off:
+            return
+        missing = arena.count() - len(heap)
+        if missing == 1:  # pushed to the arena, not to the heap
+            heapq.heappush(heap, arena.pending[-1])
+        elif missing == -1:  # popped in the arena (and placed), not from the heap
+            heapq.heappop(heap)
 
     def produce(self) -> list[Any]:
         assert self.source is not None
         heap, cap = self._heap, self._buffer_size
+        self._settle()
         while True:
             ready = self._ready
             if ready is not None:
@@ -248,11 +268,14 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
         (a C call) is the last step, so an interrupt handled after any call
         leaves every input either held or pushed, never both or neither; a
         ``len_fn`` that raises drops its input only, the inputs after it stay
-        held for the next call."""
+        held for the next call. The entry goes to the arena just before the
+        push: an interrupt between them is finished by ``_settle``."""
         source, len_fn = self.source, self._len_fn
         bulk = isinstance(source, CentralNode)
         min_len, max_len = self._min_len, self._max_len
         held = self.held
+        if self._arena.full():
+            self._arena.seal()  # bounds what it keeps between rare checkpoints
         while cap is None or len(heap) < cap:
             taken = self._taken
             if taken >= len(held):
@@ -284,9 +307,13 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
                 self._taken = taken + 1
                 continue
             arrival = self._arrivals
+            entry = (length, arrival, item)
             self._arrivals = arrival + 1
             self._taken = taken + 1
-            heapq.heappush(heap, (length, arrival, item))
+            arena = self._arena
+            if not arena.off:
+                arena.pending.append(entry)
+            heapq.heappush(heap, entry)
 
     def _pop_one(self) -> None:
         """Move the shortest buffered item into the batch; the batch it
@@ -296,9 +323,11 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
         The item is read at ``heap[0]`` and placed first; the ``heappop``
         that removes it from the heap is the last call, so an interrupt
         handled after any call finds it in exactly one place, and a batch
-        that left ``_batch`` is already in ``_ready`` (kept in the state)."""
-        heap = self._heap
-        length, _, item = heap[0]
+        that left ``_batch`` is already in ``_ready`` (kept in the state).
+        The arena learns of the pop just before it (``_settle`` finishes a
+        pop cut short there)."""
+        heap, arena = self._heap, self._arena
+        length, arrival, item = heap[0]
         longest = max(length, self._batch_max)
         if self._padding:
             tokens = (len(self._batch) + 1) * longest
@@ -309,6 +338,8 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
             self._batch = [item]
             self._batch_tokens = length
             self._batch_max = length
+            if not arena.off:
+                arena.removed.append(arrival)
             heapq.heappop(heap)
             return
         self._batch += [item]  # an in-place add, not a call: no interrupt lands here
@@ -319,11 +350,14 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
             self._ready = self._batch
             self._batch = []
             self._batch_tokens = self._batch_max = 0
+        if not arena.off:
+            arena.removed.append(arrival)
         heapq.heappop(heap)
 
     def own_state(self) -> dict[str, Any]:
+        self._settle()
         state = {
-            HEAP_KEY: compact.encode_keyed(self._heap, HEAP_COLUMNS),
+            HEAP_KEY: self._arena.state(self._heap),
             BATCH_KEY: compact.encode_items(self._batch),
             BATCH_TOKENS_KEY: self._batch_tokens,
             BATCH_MAX_KEY: self._batch_max,
@@ -355,9 +389,10 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
         self.restore_held(state)
         if state is None:
             return
-        heap = compact.decode_keyed(state[HEAP_KEY], HEAP_COLUMNS)
-        self._heap = [(int(n), int(i), item) for n, i, item in heap]
-        heapq.heapify(self._heap)
+        heap = table.decode_heap(state[HEAP_KEY])
+        entries = sorted((int(n), int(i), item) for n, i, item in heap)
+        self._heap = entries  # sorted: a heap already
+        # (the arena is dormant: the next state encodes the heap whole)
         self._batch = compact.decode_items(state[BATCH_KEY])
         self._batch_tokens = int(state[BATCH_TOKENS_KEY])
         self._batch_max = int(state[BATCH_MAX_KEY])

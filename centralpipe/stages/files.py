@@ -35,7 +35,7 @@ from torchdata.nodes import BaseNode
 from centralpipe.dispatch.worker.ranges import LineRange
 from centralpipe.errors import CheckpointError
 from centralpipe.plan.specs import StageSpec
-from centralpipe.stages.base import CentralNode, RunContext
+from centralpipe.stages.base import CentralNode, RunContext, pull_one
 from centralpipe.stages.fs import file_size, is_url, open_binary
 from centralpipe.stages.line_ranges import check_whole_lines, cut
 from centralpipe.stages.sources import FilesSource
@@ -185,6 +185,10 @@ class ReadLines(CentralNode[str]):
         self._path: str | None = None
         self._offset = 0
         self._file: IO[bytes] | None = None
+        #: A read of ``_file`` began and its line was not counted yet (see produce).
+        self._ahead = False
+        #: The next path, pulled from the source and not taken yet (after an interrupt).
+        self._pulled: list[Any] = []
         #: Bytes per line of the last range: how much to read for the next.
         self._line_bytes = 64.0
 
@@ -194,8 +198,12 @@ class ReadLines(CentralNode[str]):
         call opens it again."""
         if self._path is None:
             assert self.source is not None
-            self._path = os.fspath(next(self.source))
-            self._offset = 0
+            pulled = self._pulled
+            if not pulled:
+                pull_one(self.source, pulled)  # once handed out, the path is in ``pulled``
+            path = os.fspath(pulled[0])
+            self._path, self._offset = path, 0  # no call between these and the clear
+            pulled.clear()
         try:
             self._open(self._path, self._offset)
         except BaseException as exc:
@@ -204,25 +212,38 @@ class ReadLines(CentralNode[str]):
             raise
 
     def produce(self) -> str:
+        # The position is the truth, the file may be ahead of it: a read is
+        # marked (``_ahead``) before it starts, and the line's bytes count
+        # only once it is decoded, with no call between that move and the
+        # return. An interrupt (Ctrl-C) as readline(), len() or decode()
+        # returns leaves the file ahead; the next call seeks back first.
         while True:
-            if self._file is None:
+            f = self._file
+            if f is None:
                 self._open_current()
-            assert self._file is not None
-            raw = self._file.readline()
+                continue
+            offset = self._offset
+            if self._ahead:
+                f.seek(offset)  # (cut short: still ahead, seeks again)
+            else:
+                self._ahead = True
+            raw = f.readline()
             if not raw:
                 self._close()
                 continue
-            offset = self._offset
-            self._offset += len(raw)
+            n = len(raw)
             if raw[-1:] == b"\n":
                 raw = raw[:-1]
             if raw[-1:] == b"\r":
                 raw = raw[:-1]
             try:
-                return raw.decode(self._encoding, self._errors)
+                line = raw.decode(self._encoding, self._errors)
             except UnicodeDecodeError as exc:
+                self._offset, self._ahead = offset + n, False  # the pass goes on after it
                 exc.add_note(f"(in file {self._path!r} at byte offset {offset})")
                 raise
+            self._offset, self._ahead = offset + n, False
+            return line
 
     def take_range(self, out: list[Any], max_lines: int) -> None:
         """Append the next at most ``max_lines`` lines to ``out`` as one
@@ -333,7 +354,12 @@ class ReadLines(CentralNode[str]):
         check_whole_lines(self.name, path, size, start, end, count)
 
     def own_state(self) -> dict[str, Any]:
-        return {PATH_KEY: state_name(self.source, self._path), OFFSET_KEY: self._offset}
+        # A path pulled and not taken yet (an interrupt between) is the next
+        # file, at its start.
+        path = self._path
+        if path is None and self._pulled:
+            path = os.fspath(self._pulled[0])
+        return {PATH_KEY: state_name(self.source, path), OFFSET_KEY: self._offset}
 
     def _resolve(self, path: str) -> str:
         return resolve_name(self.source, path)
@@ -374,6 +400,7 @@ class ReadLines(CentralNode[str]):
 
     def restore(self, state: dict[str, Any] | None) -> None:
         self._close()
+        self._pulled = []
         if state is None or state[PATH_KEY] is None:
             return
         # check_state() found the offset at a line start of this file.
@@ -396,13 +423,12 @@ class ReadLines(CentralNode[str]):
         except BaseException:
             f.close()
             raise
-        self._file = f
-        self._path = path
-        self._offset = offset
+        self._file, self._path, self._offset, self._ahead = f, path, offset, False
 
     def _close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-        self._file = None
-        self._path = None
-        self._offset = 0
+        # Forgotten before it is closed: an interrupt as close() returns
+        # leaves no closed file to read from (or to close again).
+        f = self._file
+        self._file, self._path, self._offset, self._ahead = None, None, 0, False
+        if f is not None:
+            f.close()

@@ -29,8 +29,8 @@ MOVED: dict[str, str] = {
     "centralpipe.dispatch.protocol": "centralpipe.dispatch.wire.protocol",
     "centralpipe.dispatch.transport": "centralpipe.dispatch.wire.transport",
     "centralpipe.dispatch.plain": "centralpipe.dispatch.wire.plain",
-    "centralpipe.dispatch.shm": "centralpipe.dispatch.wire.shm",
-    "centralpipe.dispatch.stash": "centralpipe.dispatch.wire.stash",
+    "centralpipe.dispatch.shm": "centralpipe.dispatch.wire.ringreader",
+    "centralpipe.dispatch.stash": "centralpipe.dispatch.wire.ringwriter",
     "centralpipe.dispatch.chain": "centralpipe.dispatch.worker.chain",
     "centralpipe.dispatch.pool": "centralpipe.dispatch.executors.pool",
     "centralpipe.dispatch.procpool": "centralpipe.dispatch.executors.procpool",
@@ -55,6 +55,10 @@ MOVED: dict[str, str] = {
     "centralpipe.bench_workloads": "centralpipe.tools.bench_workloads",
     "centralpipe.soak": "centralpipe.tools.soak",
     "centralpipe.resume": "centralpipe.checkpoint.resume",
+    "centralpipe.dispatch.boundary": "centralpipe.dispatch.run",
+    "centralpipe.dispatch.guard": "centralpipe.dispatch.chainlock",
+    "centralpipe.dispatch.wire.shm": "centralpipe.dispatch.wire.ringreader",
+    "centralpipe.dispatch.wire.stash": "centralpipe.dispatch.wire.ringwriter",
 }
 
 #: Documented path -> the module's home; not deprecated.

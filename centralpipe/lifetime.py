@@ -24,11 +24,11 @@ import threading
 from multiprocessing.connection import wait
 from typing import Any
 
-from centralpipe.dispatch.boundary import Run
+from centralpipe.dispatch.chainlock import new_chain_lock
 from centralpipe.dispatch.executors.pool import Executor
 from centralpipe.dispatch.executors.starter import BackgroundStart
-from centralpipe.dispatch.guard import new_chain_lock
 from centralpipe.dispatch.pinning import Pinner
+from centralpipe.dispatch.run import Run
 from centralpipe.stages import CentralNode
 
 __all__ = ["OWN_THREAD_PREFIX", "Resources"]
@@ -47,7 +47,7 @@ class Resources:
         self.run: Run | None = None
         self.pinner: Pinner | None = None
         self.nodes: list[CentralNode[Any]] = []
-        #: Held across every central ``next()`` (see dispatch.guard).
+        #: Held across every central ``next()`` (see dispatch.chainlock).
         self.chain_lock = new_chain_lock()
 
     def end_run(self) -> None:

@@ -11,9 +11,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from centralpipe.config import WorkerConfig
-from centralpipe.dispatch.boundary import Run
 from centralpipe.dispatch.executors.pool import Executor
 from centralpipe.dispatch.reorder import StreamStats
+from centralpipe.dispatch.run import Run
 from centralpipe.stages import CentralNode, all_nodes
 
 __all__ = ["collect"]

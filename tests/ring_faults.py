@@ -29,10 +29,10 @@ def _tear_next_write(marker: str) -> None:
     """In this worker: the next ring write (of a result as it is made, or of
     a message) stops halfway through its bytes (the first half garbage, the
     rest as it was), then SIGKILL."""
-    from centralpipe.dispatch.wire import shm, stash
+    from centralpipe.dispatch.wire import ringreader, ringwriter
 
     def tear(self: Any, n: int) -> None:
-        start = self._alloc(shm.aligned(n))
+        start = self._alloc(ringreader.aligned(n))
         if start >= 0:
             half = n // 2
             self._view[start : start + half] = bytes([TORN_BYTE]) * half
@@ -48,8 +48,8 @@ def _tear_next_write(marker: str) -> None:
         tear(self, buf.nbytes)
         return -1  # pragma: no cover - killed above
 
-    stash.RingWriter.reserve = reserve  # type: ignore[method-assign]
-    stash.RingWriter.place = place  # type: ignore[method-assign]
+    ringwriter.RingWriter.reserve = reserve  # type: ignore[method-assign]
+    ringwriter.RingWriter.place = place  # type: ignore[method-assign]
 
 
 def tear_once(x: int, *, at: int, marker: str) -> torch.Tensor:

@@ -16,7 +16,7 @@ import pytest
 
 import centralpipe as cp
 from centralpipe import config
-from centralpipe.dispatch import guard, timeouts
+from centralpipe.dispatch import chainlock, timeouts
 from centralpipe.testing import collect
 from tests._configs import loader_config
 
@@ -205,7 +205,7 @@ def test_a_new_pass_does_not_run_beside_a_blocked_next(short_wait: Callable[[], 
 def _wait_until_inside(loader: cp.Loader[Any], stage: str) -> None:
     """Wait until the thread running the central chain is inside ``stage``."""
     for _ in range(int(RELEASE_S / 0.01)):
-        found = guard.busy_stage(loader._central._res.nodes)
+        found = chainlock.busy_stage(loader._central._res.nodes)
         if found is not None and found[0].name == stage:
             return
         threading.Event().wait(0.01)

@@ -33,7 +33,7 @@ from centralpipe.dispatch import sender
 from centralpipe.dispatch.budget import ResultBytes
 from centralpipe.dispatch.executors.procpool import ProcessPool
 from centralpipe.dispatch.reorder import Stream
-from centralpipe.dispatch.wire import protocol, shm
+from centralpipe.dispatch.wire import protocol, ringreader
 from centralpipe.dispatch.worker.chain import WorkerChain
 from centralpipe.testing import collect, faults
 from tests._configs import loader_config
@@ -557,12 +557,12 @@ def test_close_cut_short_anywhere_leaks_nothing(start_method: str) -> None:
 def test_ring_close_cut_short_is_finished_by_the_next() -> None:
     """A shared-memory ring's close() cut short at any point is finished by
     the next call: no descriptor stays open."""
-    if not shm.available():
+    if not ringreader.available():
         pytest.skip("no memfd_create here")
 
     def attempt(k: int) -> bool:
         before = _open_fds()
-        ring = shm.Ring(1 << 16)
+        ring = ringreader.Ring(1 << 16)
         landed = _interrupt_at(k, ring.close)
         ring.close()
         assert ring.fds() == [] and _open_fds() - before == set(), f"interrupt at event {k}"

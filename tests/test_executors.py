@@ -17,7 +17,7 @@ import centralpipe as cp
 from centralpipe.dispatch.executors import procpool
 from centralpipe.dispatch.executors.pool import Executor, Slot
 from centralpipe.dispatch.executors.threadpool import ThreadPool
-from centralpipe.dispatch.wire.stash import receive_ring
+from centralpipe.dispatch.wire.ringwriter import receive_ring
 from centralpipe.dispatch.worker.loop import WorkerSpec
 from tests import faulty
 

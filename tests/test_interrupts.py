@@ -16,8 +16,8 @@ import torch
 
 import centralpipe as cp
 from centralpipe.dispatch import pinning
-from centralpipe.dispatch.boundary import Run
 from centralpipe.dispatch.executors.pool import Executor
+from centralpipe.dispatch.run import Run
 from centralpipe.stages import Parallel
 from centralpipe.testing import collect
 from tests._configs import loader_config

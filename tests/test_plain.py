@@ -26,24 +26,24 @@ import pytest
 import torch
 
 import centralpipe as cp
-from centralpipe.dispatch.wire import plain, protocol, shm, stash, transport
+from centralpipe.dispatch.wire import plain, protocol, ringreader, ringwriter, transport
 from tests.faulty import _first_time
 from tests.test_transport import describe
 
-pytestmark = pytest.mark.skipif(not shm.available(), reason="no os.memfd_create here")
+pytestmark = pytest.mark.skipif(not ringreader.available(), reason="no os.memfd_create here")
 
 #: Elements per output: 64 KiB of float32, past ``MIN_RING_BUFFER_BYTES``.
 NUMEL = 16384
 
 
 @pytest.fixture
-def link() -> Iterator[tuple[shm.Ring, stash.RingWriter, Any, Any]]:
+def link() -> Iterator[tuple[ringreader.Ring, ringwriter.RingWriter, Any, Any]]:
     """A ring, the writer on it, and the pipe's two ends, all in this process."""
-    ring = shm.Ring(2**23)
+    ring = ringreader.Ring(2**23)
     a, b = multiprocessing.Pipe(duplex=True)
     try:
         assert ring.hand_over(a)
-        writer = stash.receive_ring(b)
+        writer = ringwriter.receive_ring(b)
         yield ring, writer, b, a
     finally:
         a.close()
@@ -55,7 +55,7 @@ def _cross(link: Any, outputs: list[Any]) -> tuple[list[Any], bool]:
     """``outputs`` stashed, sent as a worker sends a result and received:
     what the main process delivers, and whether it went without pickle."""
     ring, writer, worker_end, main_end = link
-    kept = [stash.stash(x, writer) for x in outputs]
+    kept = [ringwriter.stash(x, writer) for x in outputs]
     result = protocol.ChunkResult(kept, None, None, 0.25)
     protocol.send_result(worker_end, 7, 0, 3, result, False, writer)
     writer.forget()
@@ -172,7 +172,7 @@ def test_a_damaged_table_is_refused_like_a_dead_worker(link: Any, damage: str) -
     its bytes, or cut short: ``EOFError`` (the worker is then replaced),
     never a wrong tensor."""
     ring, writer, worker_end, main_end = link
-    kept = [stash.stash(torch.zeros(NUMEL), writer) for _ in range(2)]
+    kept = [ringwriter.stash(torch.zeros(NUMEL), writer) for _ in range(2)]
     message = transport.dumps_plain(struct.pack("<qqqd", 1, 0, 0, 0.0), kept)
     assert message is not None
     head = bytearray(message.head)
@@ -208,13 +208,13 @@ def test_freed_results_give_their_space_back_in_batches(link: Any) -> None:
     assert writer.used == used, "released before a batch was full"
     del lent[0]  # the batch is full: written at once
     writer._drain()
-    assert writer.used == used - per_batch * shm.aligned(block)
+    assert writer.used == used - per_batch * ringreader.aligned(block)
     del lent[0]
     writer._drain()
-    assert writer.used == used - per_batch * shm.aligned(block)
+    assert writer.used == used - per_batch * ringreader.aligned(block)
     ring.flush()  # the supervisor's flush writes the rest
     writer._drain()
-    assert writer.used == used - (per_batch + 1) * shm.aligned(block)
+    assert writer.used == used - (per_batch + 1) * ringreader.aligned(block)
     assert bytes(lent[0][:4]) == bytes([per_batch + 1]) * 4
 
 

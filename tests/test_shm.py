@@ -31,12 +31,12 @@ from hypothesis import strategies as st
 
 import centralpipe as cp
 from centralpipe.dispatch import timeouts
-from centralpipe.dispatch.wire import shm, stash
+from centralpipe.dispatch.wire import ringreader, ringwriter
 from tests import ring_faults
 from tests._leaks import foreign, shm_entries, wait_for_new_shm
 
 ROOT = Path(__file__).parent.parent
-pytestmark = pytest.mark.skipif(not shm.available(), reason="no os.memfd_create here")
+pytestmark = pytest.mark.skipif(not ringreader.available(), reason="no os.memfd_create here")
 
 
 def _config(start_method: str = "fork", **kw: Any) -> cp.LoaderConfig:
@@ -247,15 +247,15 @@ def test_an_entry_only_another_process_tree_holds_is_not_this_tests_leak() -> No
 # -- the ring protocol itself -----------------------------------------------------
 
 
-def _pair(capacity: int = 2**20) -> tuple[shm.Ring, stash.RingWriter]:
+def _pair(capacity: int = 2**20) -> tuple[ringreader.Ring, ringwriter.RingWriter]:
     """A ring and a writer on it in this process (as a worker would get it)."""
     import multiprocessing
 
-    ring = shm.Ring(capacity)
+    ring = ringreader.Ring(capacity)
     a, b = multiprocessing.Pipe(duplex=True)
     try:
         assert ring.hand_over(a)
-        writer = stash.receive_ring(b)
+        writer = ringwriter.receive_ring(b)
     finally:
         a.close()
         b.close()
@@ -335,7 +335,7 @@ def test_writer_waits_for_room_once_while_nothing_is_released(
         waits.append(timeout)
         return real_select(r, w, x, timeout)
 
-    monkeypatch.setattr(stash.select, "select", counting_select)
+    monkeypatch.setattr(ringwriter.select, "select", counting_select)
     ring, writer = _pair()
     block = 256 * 1024
     try:
@@ -446,7 +446,7 @@ def test_kept_results_never_leave_a_worker_without_room() -> None:
         out = list(loader)
         moved = _transport(loader)
     assert all(torch.equal(t, ring_faults.tensor_of(i)) for i, t in enumerate(out))
-    assert 0 < moved["shared_memory_lent_bytes"] <= 2 * 2**21 * shm.LEND_SHARE
+    assert 0 < moved["shared_memory_lent_bytes"] <= 2 * 2**21 * ringreader.LEND_SHARE
     assert moved["shared_memory_bytes"] > moved["shared_memory_lent_bytes"]
 
 
@@ -454,7 +454,7 @@ def test_hand_over_to_a_closed_pipe_is_reported() -> None:
     """Handing a ring to a worker that is gone returns False and closes our copies."""
     import multiprocessing
 
-    ring = shm.Ring(2**20)
+    ring = ringreader.Ring(2**20)
     a, b = multiprocessing.Pipe(duplex=True)
     b.close()
     try:
@@ -475,10 +475,10 @@ def test_receive_ring_refuses_a_pipe_without_a_ring() -> None:
     try:
         a.send_bytes(b"0123456789abcdef")
         with pytest.raises(EOFError):
-            stash.receive_ring(b)
+            ringwriter.receive_ring(b)
         a.close()
         with pytest.raises(EOFError):
-            stash.receive_ring(b)
+            ringwriter.receive_ring(b)
     finally:
         a.close()
         b.close()

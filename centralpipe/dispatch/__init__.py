@@ -30,7 +30,7 @@ Main process, one pass of the Loader:
 - ``nodepool``  the shared stages' parallel streams on the node-wide pool.
 - ``nodeservice`` the node's service process and its clients (local rank 0
   starts it; the token file for the others).
-- ``boundary``  assembling a run of every stream (``Run``).
+- ``run``  assembling a run of every stream (``Run``).
 - ``warm``      the inline warm start: the first chunks run in the main process
   while the workers start.
 - ``pull``      pulling a chunk from the central chain into a stream.
@@ -48,7 +48,7 @@ Main process, one pass of the Loader:
 - ``supervisor`` receiving every result; deaths, hangs, poison items, restarts.
 - ``budget``    the bytes of results held before their turn, and the bound
   on them (``buffer_bytes``): which streams may send, which workers are read.
-- ``guard``     the chain lock, the one lock held across user code, and
+- ``chainlock``     the chain lock, the one lock held across user code, and
   the bounded waits on it.
 - ``pinning``   pinning delivered tensors (``pin_memory=True``) in a thread.
 - ``timeouts`` [worker] every time bound of the machinery, in seconds, with
@@ -69,11 +69,11 @@ Main process, one pass of the Loader:
 - ``wire.transport`` [worker] serialisation and framing of one message.
 - ``wire.plain`` [worker] results that are plain tensors and arrays in the ring,
   described in a table of integers instead of pickled.
-- ``wire.shm`` [worker] each worker process's shared-memory ring for large
+- ``wire.ringreader`` [worker] each worker process's shared-memory ring for large
   result buffers (anonymous memory handed over on its pipe; only ring offsets
   travel on the pipe; lent to the received tensors and arrays without a
   copy, released when they are freed).
-- ``wire.stash`` [worker] the worker's side of its ring: free space, and large
+- ``wire.ringwriter`` [worker] the worker's side of its ring: free space, and large
   outputs moved into the ring as the worker stages make them.
 - ``wire.tokens`` [worker] lists of 1-D arrays or tensors (token data: a
   chunk's outputs, a bucket) sent as one flat buffer plus offsets.
@@ -99,7 +99,7 @@ Who runs what:
 
 - The central chain (every central stage's ``next()``, parallel stages
   included) runs in exactly one thread at a time — the feeder, or without one
-  the consumer — always under the Loader's *chain lock* (``guard``), the only
+  the consumer — always under the Loader's *chain lock* (``chainlock``), the only
   lock ever held across user code. It outlives runs: a stopped run's feeder
   still inside a blocking ``next()`` keeps it until that call returns and
   then pulls nothing more, so a new pass never runs the chain beside it.
@@ -128,15 +128,15 @@ Who runs what:
 
 Who blocks on what, and the bound (every bound is in ``timeouts``, with its
 unit and reason; every wait is at most ``POLL_S`` and
-re-checks for stop and errors; ``Session.wake`` is the one condition that
+re-checks for stop and errors; ``Supervisor.wake`` is the one condition that
 results, re-sends, errors and room in a buffer notify):
 
 - central thread, buffer full (in items, or in bytes: ``budget``) or waiting
-  for a parallel stage's result: ``Session.wake.wait_unless(..., POLL_S)``;
+  for a parallel stage's result: ``Supervisor.wake.wait_unless(..., POLL_S)``;
 - central thread, pipe full: ``send_bytes`` to one worker; ended by that
   worker reading (its output is always read), dying, or being killed by
-  ``Session.stop`` after ``STOP_TIMEOUT_S``;
-- consumer, waiting for the head chunk: ``Session.wake.wait_unless(..., POLL_S)``;
+  ``Supervisor.stop`` after ``STOP_TIMEOUT_S``;
+- consumer, waiting for the head chunk: ``Supervisor.wake.wait_unless(..., POLL_S)``;
 - supervisor: ``multiprocessing.connection.wait`` on every pipe, process
   sentinel and a wake-up pipe (``POLL_S``), or a queue ``get`` for threads.
   At the byte bound it leaves some workers' pipes unread, never one that owes
@@ -165,7 +165,7 @@ Starting a pass: the run is built (no thread) under the chain lock and
 registered with the Loader *before* any thread starts (``Run.start``), so an
 error or Ctrl-C anywhere in the start leaves only threads that stopping the
 registered run ends; a thread whose ``start()`` was interrupted is joined
-once it shows up (``guard.join_started``) or, showing up later, finds its run
+once it shows up (``chainlock.join_started``) or, showing up later, finds its run
 stopped and ends without touching anything.
 
 Shutdown escalates (``Run.stop``): mark the run abandoned (flags first, no
@@ -199,11 +199,11 @@ end and ring is registered as it is opened
 A real SIGINT is handled where CPython checks for one: as a Python
 function starts, on a backward jump, after a call into C returns. So every
 lock the consumer takes is released at C level: the chain lock (an
-``RLock``) by its own ``__exit__``, which ``with guard.hold(...)`` calls
-without entering Python code (``guard.Holding``), or in a ``finally`` that
+``RLock``) by its own ``__exit__``, which ``with chainlock.hold(...)`` calls
+without entering Python code (``chainlock.Holding``), or in a ``finally`` that
 calls ``release()`` first and lets the owner check tell whether this thread
 took it; the bookkeeping locks by ``with lock:``; the run's wake-up
-(``guard.Wake``) is no ``threading.Condition``, whose Python ``__exit__``
+(``chainlock.Wake``) is no ``threading.Condition``, whose Python ``__exit__``
 and ``wait()`` an interrupt can cut between lock calls. Deferring SIGINT in
 the critical sections instead would need a Python signal handler of ours,
 which any handler the user installs later replaces, and ``pthread_sigmask``

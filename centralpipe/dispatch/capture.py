@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 from centralpipe.checkpoint.compact import join_parts, pack_part, part_of_flats
 from centralpipe.checkpoint.model import Captured, entry_wire
+from centralpipe.dispatch.chainlock import Holding
 from centralpipe.dispatch.chunk import Chunk
-from centralpipe.dispatch.guard import Holding
 from centralpipe.dispatch.pullstate import PullState
 from centralpipe.dispatch.worker.ranges import LineRange
 from centralpipe.stages import CentralNode

@@ -31,7 +31,7 @@ from centralpipe.config import LoaderConfig
 from centralpipe.dispatch import rendezvous, timeouts
 from centralpipe.dispatch.pinning import Pinner, make_pinner
 from centralpipe.dispatch.service import serve, state_to_bytes
-from centralpipe.dispatch.wire import shm, transport
+from centralpipe.dispatch.wire import ringreader, transport
 from centralpipe.errors import PipelineError, ServiceError
 from centralpipe.plan.pipeline import Pipeline
 from centralpipe.stages.totals import Total
@@ -55,7 +55,7 @@ class Link:
     path: str
     conn: Connection | None = None
     control: Connection | None = None
-    ring: shm.Ring | None = None
+    ring: ringreader.Ring | None = None
     pinner: Pinner | None = None
     exit_hook: Any = None
     #: How long a close waits for the service to end before stopping it.
@@ -111,7 +111,7 @@ class ServiceClient:
         path = str(directory / f"loader-{os.getpid()}-{next(_IDS)}.sock")
         token = rendezvous.new_token()
         inner = attrs.evolve(config, central="process", pin_memory=False)
-        with_ring = shm.available()
+        with_ring = ringreader.available()
         ready_r, ready_w = ctx.Pipe(duplex=False)
         proc = ctx.Process(
             target=serve,
@@ -161,7 +161,7 @@ class ServiceClient:
             link.conn = rendezvous.connect(path, token, expect_pid=proc.pid)
             link.control = rendezvous.connect(path, token, expect_pid=proc.pid)
             if with_ring:
-                link.ring = shm.Ring(config.workers.shared_memory_bytes)
+                link.ring = ringreader.Ring(config.workers.shared_memory_bytes)
                 if not link.ring.hand_over(link.conn):
                     self._died("while starting")
             kind, value = self._receive()
@@ -204,7 +204,7 @@ class ServiceClient:
         raise ServiceError(self._dead)
 
     def _receive(
-        self, conn: Connection | None = None, ring: shm.Ring | None = None
+        self, conn: Connection | None = None, ring: ringreader.Ring | None = None
     ) -> tuple[str, Any]:
         """The next reply, waiting on the connection and the service's sentinel."""
         if conn is None:

@@ -19,15 +19,15 @@ from centralpipe import checkpoint, metrics
 from centralpipe.checkpoint import resume
 from centralpipe.checkpoint.resume import Pending
 from centralpipe.config import LoaderConfig
-from centralpipe.dispatch.boundary import Policy, Run, WarmStart, idle_worker_states
+from centralpipe.dispatch.chainlock import hold
 from centralpipe.dispatch.executors.pool import Executor
 from centralpipe.dispatch.executors.preload import server_preload
 from centralpipe.dispatch.executors.procpool import ProcessPool, warm_up
 from centralpipe.dispatch.executors.starter import BACKGROUND_METHODS, BackgroundStart
 from centralpipe.dispatch.executors.threadpool import ThreadPool
-from centralpipe.dispatch.guard import hold
 from centralpipe.dispatch.pinning import make_pinner
 from centralpipe.dispatch.reorder import StreamStats
+from centralpipe.dispatch.run import Policy, Run, WarmStart, idle_worker_states
 from centralpipe.dispatch.worker.chain import WorkerChain
 from centralpipe.dispatch.worker.loop import WorkerSpec
 from centralpipe.lifetime import Resources

@@ -5,7 +5,7 @@ is one of the node's shared stages (:mod:`centralpipe.dispatch.node`): it
 runs once per node, so its stream is the node's, not a rank's.
 :class:`SharedSegments` owns it: a pool of ``num_workers`` workers for the
 whole node (the issue's "``num_workers`` per node") and, for each epoch (or
-the rest of one after a load), one :class:`~centralpipe.dispatch.boundary.Run`
+the rest of one after a load), one :class:`~centralpipe.dispatch.run.Run`
 over the shared stages whose parallel streams feed those stages in order.
 That run has no dispatch stream of its own to drive (its tip is never
 pulled): the ranks' feeders pull the shared stages under the node's one
@@ -36,12 +36,12 @@ from typing import Any
 
 from centralpipe.checkpoint.model import Checkpoint
 from centralpipe.config import LoaderConfig
-from centralpipe.dispatch.boundary import Policy, Run
 from centralpipe.dispatch.executors.pool import Executor
 from centralpipe.dispatch.executors.preload import server_preload
 from centralpipe.dispatch.executors.procpool import ProcessPool
 from centralpipe.dispatch.executors.threadpool import ThreadPool
 from centralpipe.dispatch.reorder import StreamStats
+from centralpipe.dispatch.run import Policy, Run
 from centralpipe.dispatch.stamps import Stamper
 from centralpipe.dispatch.worker.chain import WorkerChain
 from centralpipe.dispatch.worker.loop import WorkerSpec

@@ -38,8 +38,8 @@ from centralpipe.dispatch.node import NodeStream, check_node_pipeline
 from centralpipe.dispatch.noderank import RankCentral
 from centralpipe.dispatch.pinning import make_pinner
 from centralpipe.dispatch.service import Server
-from centralpipe.dispatch.wire import shm
-from centralpipe.dispatch.wire.stash import RingWriter, receive_ring
+from centralpipe.dispatch.wire import ringreader
+from centralpipe.dispatch.wire.ringwriter import RingWriter, receive_ring
 from centralpipe.dispatch.worker.loop import main_alive
 from centralpipe.errors import PipelineError, ServiceError
 from centralpipe.plan.pipeline import Pipeline
@@ -336,7 +336,7 @@ class NodeClient(ServiceClient):
         self._held: tuple[tuple[str, tuple[Any, ...]], tuple[str, Any]] | None = None
         self._lock = threading.Lock()
         self._reads_lock = threading.Lock()
-        with_ring = shm.available()
+        with_ring = ringreader.available()
         proc: Any = None
         if local == 0:
             method = config.workers.resolved_start_method()
@@ -382,7 +382,7 @@ class NodeClient(ServiceClient):
                 token = read_token(tpath, timeouts.FIND_TIMEOUT_S)
             link.conn = self._connect(path, token, proc, "requests", local, with_ring)
             if with_ring:
-                link.ring = shm.Ring(config.workers.shared_memory_bytes)
+                link.ring = ringreader.Ring(config.workers.shared_memory_bytes)
                 if not link.ring.hand_over(link.conn):
                     self._died("while starting")
             link.control = self._connect(path, token, proc, "reads", local, False)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from centralpipe.dispatch import timeouts
-from centralpipe.dispatch.guard import join_started
+from centralpipe.dispatch.chainlock import join_started
 
 __all__ = ["Pinner", "accelerator", "make_pinner", "pin"]
 

@@ -10,7 +10,7 @@ order. ``pending`` holds every chunk pulled but not yet fully delivered; with
 the central stages' state it is the whole checkpoint (:meth:`Stream.capture`).
 
 Two locks: ``chain_lock`` is held by the thread running the central chain
-across the tip's ``next()`` (user code; see :mod:`centralpipe.dispatch.guard`),
+across the tip's ``next()`` (user code; see :mod:`centralpipe.dispatch.chainlock`),
 ``lock`` guards the bookkeeping below and is only ever held for a few
 statements, never across user code: the consumer taking a result, and
 stopping, never wait on the central chain. A reader of the checkpoint holds
@@ -42,8 +42,8 @@ from centralpipe.checkpoint.model import Boundary, Captured
 from centralpipe.dispatch import timeouts
 from centralpipe.dispatch.budget import ResultBytes
 from centralpipe.dispatch.capture import Capture
+from centralpipe.dispatch.chainlock import Holding, Wake, new_chain_lock
 from centralpipe.dispatch.chunk import Chunk
-from centralpipe.dispatch.guard import Holding, Wake, new_chain_lock
 from centralpipe.dispatch.pullstate import PullState
 from centralpipe.dispatch.stamps import Stamper
 from centralpipe.dispatch.wire.protocol import ChunkResult, StageFailure
@@ -243,7 +243,7 @@ class Stream:
         a reader waits for at most one ``next()`` of the chain, and never
         longer than ``config.CENTRAL_WAIT_S`` (then ``TimeoutError`` naming the stage
         that keeps the chain). Both locks are released at C level (see
-        :class:`~centralpipe.dispatch.guard.Holding`): no interrupt can leave
+        :class:`~centralpipe.dispatch.chainlock.Holding`): no interrupt can leave
         either held."""
         return Holding(self.chain_lock, what, self._chain_nodes, readers=self)
 

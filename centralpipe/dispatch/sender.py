@@ -34,7 +34,7 @@ from centralpipe.dispatch import timeouts
 from centralpipe.dispatch.chunk import Chunk
 from centralpipe.dispatch.pull import has_room, pull_chunk, target_chunk
 from centralpipe.dispatch.reorder import FIRST_CHUNK, Driver, Stream
-from centralpipe.dispatch.supervisor import Session
+from centralpipe.dispatch.supervisor import Supervisor
 from centralpipe.dispatch.wire import protocol
 from centralpipe.dispatch.wire.protocol import ChunkResult, StageFailure
 from centralpipe.dispatch.worker.loop import result_message, run_received
@@ -152,7 +152,7 @@ def run_as_worker(s: Stream, chunk: Chunk) -> ChunkResult:
     return result
 
 
-def send_chunk(session: Session, s: Stream, chunk: Chunk) -> None:
+def send_chunk(session: Supervisor, s: Stream, chunk: Chunk) -> None:
     """Send ``chunk`` to its worker (round-robin for a new one), unless that
     worker already has it or its result is in."""
     ex = session.executor
@@ -185,7 +185,7 @@ def send_chunk(session: Session, s: Stream, chunk: Chunk) -> None:
         session.sending = outer
 
 
-def drain_resends(session: Session) -> None:
+def drain_resends(session: Supervisor) -> None:
     """Re-send the chunks of replaced workers (the sending thread only)."""
     while session.resend:
         # Taken off the queue once sent: a Ctrl-C in the send (a parallel
@@ -274,7 +274,7 @@ class InlineDriver(Driver):
         return chunk
 
 
-def _send_cut_short(session: Session, s: Stream) -> None:
+def _send_cut_short(session: Supervisor, s: Stream) -> None:
     """Send the newest chunk if a Ctrl-C left it closed but never sent (in
     ``pull_chunk``, or in ``send_chunk`` before its write). A chunk whose
     write was cut short is handled by the executor (its worker is replaced
@@ -291,7 +291,7 @@ class SegmentDriver(Driver):
     thread running the central chain: each call pulls and sends at most one
     chunk, then returns the head chunk once its result is in."""
 
-    def __init__(self, stream: Stream, session: Session) -> None:
+    def __init__(self, stream: Stream, session: Supervisor) -> None:
         self.stream = stream
         self.session = session
 
@@ -323,7 +323,7 @@ class FeederDriver(Driver):
     """The dispatch boundary over the workers: a feeder thread pulls chunks
     from the central chain and sends them; the consumer waits for results."""
 
-    def __init__(self, stream: Stream, session: Session) -> None:
+    def __init__(self, stream: Stream, session: Supervisor) -> None:
         self.stream = stream
         self.session = session
         self.error: BaseException | None = None
@@ -339,7 +339,7 @@ class FeederDriver(Driver):
     def in_central(self) -> bool:
         """The feeder is inside a central ``next()`` (holds the chain lock to
         pull: ``Stream.in_chain``) and not sending to a worker
-        (``Session.sending``): a stop does not wait for it, as only that
+        (``Supervisor.sending``): a stop does not wait for it, as only that
         ``next()`` returning can free it."""
         return self.stream.in_chain and not self.session.sending
 

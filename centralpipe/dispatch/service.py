@@ -17,7 +17,7 @@ surface as ``LocalCentral``: each call is one request and one reply.
 - **Outputs**: one reply per output, pulled from the service's pass only when
   the client asks, so the service's delivery position is the consumer's and
   ``state()`` is exact. Large tensors and arrays cross in a shared-memory ring
-  (:mod:`centralpipe.dispatch.wire.shm`, the one the workers use: anonymous
+  (:mod:`centralpipe.dispatch.wire.ringreader`, the one the workers use: anonymous
   memory, nothing in ``/dev/shm``) and are lent to the consumer without a
   copy; the client does no per-item work beyond receiving its output.
 - **Faults**: every wait of the client is on the connection *and* the
@@ -50,7 +50,7 @@ from centralpipe.config import LoaderConfig
 from centralpipe.dispatch import rendezvous, timeouts
 from centralpipe.dispatch.local import LocalCentral
 from centralpipe.dispatch.wire import transport
-from centralpipe.dispatch.wire.stash import RingWriter, receive_ring
+from centralpipe.dispatch.wire.ringwriter import RingWriter, receive_ring
 from centralpipe.dispatch.worker.loop import main_alive
 from centralpipe.errors import ServiceError
 from centralpipe.plan.pipeline import Pipeline
@@ -97,7 +97,7 @@ def serve(
     conn, control = conns
     ring: RingWriter | None = None
     try:
-        if with_ring:  # the first thing on the connection (see wire.shm)
+        if with_ring:  # the first thing on the connection (see wire.ringreader)
             ring = receive_ring(conn)
         Server(conn, ring).run(pipeline, config, control)
     except (EOFError, OSError):  # the client went away

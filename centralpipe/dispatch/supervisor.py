@@ -1,6 +1,6 @@
 """Supervision: receiving results, deaths, hangs, poison items and restarts.
 
-A :class:`Session` is one run's use of the executor (see
+A :class:`Supervisor` is one run's use of the executor (see
 :mod:`centralpipe.dispatch.executors.pool`) by every ordered stream of that run (each
 parallel central stage, then the dispatch boundary). Its *supervisor thread*
 is the only reader of the workers' results: it puts each result on its chunk
@@ -24,15 +24,15 @@ from typing import Any
 
 from centralpipe.dispatch import timeouts
 from centralpipe.dispatch.budget import ResultBytes
+from centralpipe.dispatch.chainlock import Wake, join_started
 from centralpipe.dispatch.chunk import Chunk
 from centralpipe.dispatch.executors.pool import Executor, Slot
-from centralpipe.dispatch.guard import Wake, join_started
 from centralpipe.dispatch.reorder import Stream, StreamStats, logger
 from centralpipe.dispatch.wire import protocol
 from centralpipe.dispatch.wire.protocol import MSG_RESULT, MSG_STATES, StageFailure
 from centralpipe.errors import WorkerError
 
-__all__ = ["Policy", "Session"]
+__all__ = ["Policy", "Supervisor"]
 
 
 class Policy:
@@ -54,7 +54,7 @@ class Policy:
         self.buffer_bytes = buffer_bytes
 
 
-class Session:
+class Supervisor:
     """One run over the executor; see the module docstring.
 
     Invariants: only the supervisor thread calls ``executor.wait`` and
@@ -363,7 +363,7 @@ class Session:
         pipe; if it is stuck in a send anyway the workers are killed. One that
         is inside a central stage's ``next()`` (``in_central``) is not waited
         for: it leaves the chain when that call returns and pulls nothing more
-        (see :mod:`centralpipe.dispatch.guard`)."""
+        (see :mod:`centralpipe.dispatch.chainlock`)."""
         if self.stopped:
             return
         self.abandoned = True

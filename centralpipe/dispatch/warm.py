@@ -26,7 +26,7 @@ Before each chunk it asks whether every worker is ready (a thread-liveness
 check and a read of each worker's status: microseconds). Chunks aim at
 ``TARGET_CHUNK_S`` of work (``dispatch.pull``), so the main process stops
 running items within about one chunk of the workers being up. Then it
-*hands over* (:meth:`~centralpipe.dispatch.boundary.Run.hand_over`), in the
+*hands over* (:meth:`~centralpipe.dispatch.run.Run.hand_over`), in the
 consumer's thread, at a chunk boundary: no chunk is half run (a chunk a
 Ctrl-C cut short is run inline first, so nothing pending lacks a result),
 the session's supervisor starts, parallel stages switch to their
@@ -78,7 +78,7 @@ class WarmDriver(Driver):
     one only finishes the call in progress.
 
     The run that owns ``stream`` owns the hand-over too: ``hand_over(executor)``
-    (repeatable, see :meth:`~centralpipe.dispatch.boundary.Run.hand_over`)
+    (repeatable, see :meth:`~centralpipe.dispatch.run.Run.hand_over`)
     replaces ``stream.driver``, and ``stop()`` ends the run's session. This
     driver only decides *when*."""
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
-from centralpipe.dispatch.wire import shm
+from centralpipe.dispatch.wire import ringreader
 from centralpipe.dispatch.wire.protocol import (
     STATUS_READY,
     Encoded,
@@ -64,7 +64,7 @@ class Slot:
         self.sending = False
         # The worker's shared-memory ring for results (dispatch.shm), one per
         # worker generation; None without one.
-        self.ring: shm.Ring | None = None
+        self.ring: ringreader.Ring | None = None
         #: A send to this worker was cut short (Ctrl-C) and it was killed
         #: for it: its replacement is no fault of the item it was on.
         self.cut_short = False

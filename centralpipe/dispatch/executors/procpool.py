@@ -2,7 +2,7 @@
 
 Each slot's worker is a process with a duplex pipe, a death pipe (it exits
 when the main process goes) and a shared-memory ring for large results
-(:mod:`centralpipe.dispatch.wire.shm`). Shutdown escalates: close our pipe ends (a
+(:mod:`centralpipe.dispatch.wire.ringreader`). Shutdown escalates: close our pipe ends (a
 worker reading gets EOF, one writing gets EPIPE) → join → terminate → kill,
 each bounded.
 """
@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from centralpipe.dispatch import timeouts
 from centralpipe.dispatch.executors.pool import ABANDON_ALL, Event, Executor, Slot, describe_exit
-from centralpipe.dispatch.wire import protocol, shm
+from centralpipe.dispatch.wire import protocol, ringreader
 from centralpipe.dispatch.wire.protocol import (
     STATUS_LEN,
     Encoded,
@@ -75,7 +75,7 @@ class ProcessPool(Executor):
         self.start_method = start_method
         # Each worker's shared-memory ring (0: none; see dispatch.shm), whole pages.
         page = mmap.PAGESIZE
-        self.ring_bytes = -(-ring_bytes // page) * page if shm.available() else 0
+        self.ring_bytes = -(-ring_bytes // page) * page if ringreader.available() else 0
         self._closed_ring_bytes = [0, 0, 0]  # counters of rings already closed
         self.current_run = _off_the_main_thread(lambda: self.ctx.RawValue("q", 0))
         # A pipe to ourselves: interrupt() makes wait() return at once.
@@ -84,7 +84,7 @@ class ProcessPool(Executor):
         #: Every pipe end and ring opened for a worker and maybe not yet
         #: closed: a close cut short (Ctrl-C) anywhere is finished by close().
         self._ends: list[Connection] = []
-        self._rings: list[shm.Ring] = []
+        self._rings: list[ringreader.Ring] = []
         if start_method == "forkserver":
             warm_up(start_method, preload)
 
@@ -111,7 +111,7 @@ class ProcessPool(Executor):
                 _grow_socket_buffers(conn)
             if self.ring_bytes:
                 self._rings = [r for r in self._rings if not r.released_all()]
-                ring = shm.Ring(self.ring_bytes)
+                ring = ringreader.Ring(self.ring_bytes)
                 self._rings.append(ring)
             # Off the main thread too: multiprocessing's heap makes a file in
             # /dev/shm and unlinks it in Python code, which a Ctrl-C can cut
@@ -164,7 +164,7 @@ class ProcessPool(Executor):
     def lendable_bytes(self) -> int | None:
         if not self.ring_bytes:
             return None
-        return int(self.ring_bytes * shm.LEND_SHARE) * len(self.slots)
+        return int(self.ring_bytes * ringreader.LEND_SHARE) * len(self.slots)
 
     def transport_bytes(self) -> dict[str, int] | None:
         """Out-of-band result bytes received through the workers' shared-memory

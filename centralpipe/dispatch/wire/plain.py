@@ -2,9 +2,9 @@
 
 Most results of a data-loading pipeline are one tensor or array per item. A
 worker has already moved each of them into its shared-memory ring as it was
-made (:func:`centralpipe.dispatch.wire.stash.stash`), so all that is left to send
+made (:func:`centralpipe.dispatch.wire.ringwriter.stash`), so all that is left to send
 is, per item, where it is and what it looks like. When *every* output of a
-chunk is such a :class:`~centralpipe.dispatch.wire.stash.RingRef` (a C-contiguous
+chunk is such a :class:`~centralpipe.dispatch.wire.ringwriter.RingRef` (a C-contiguous
 CPU tensor or numpy array of a dtype listed below, sole owner of its
 memory), :func:`describe` turns them into a flat table of integers (kind,
 dtype code, writability, shape) and the list of their ring places; the main
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from centralpipe.dispatch.wire.stash import Placed, RingRef
+from centralpipe.dispatch.wire.ringwriter import Placed, RingRef
 
 __all__ = ["NUMPY_CHARS", "TORCH_DTYPES", "describe", "rebuild"]
 

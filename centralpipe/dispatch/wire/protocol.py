@@ -37,8 +37,8 @@ from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
 from centralpipe.dispatch.wire import tokens, transport
-from centralpipe.dispatch.wire.shm import Ring
-from centralpipe.dispatch.wire.stash import RingWriter
+from centralpipe.dispatch.wire.ringreader import Ring
+from centralpipe.dispatch.wire.ringwriter import RingWriter
 
 __all__ = [
     "MSG_CHUNK",
@@ -225,7 +225,7 @@ def _unplain(obj: Any) -> Any:
 def recv(conn: Connection, ring: Ring | None = None) -> Any:
     """Read one message written by :func:`send` / :func:`send_encoded` /
     :func:`send_result` (``ring``: the sender's shared-memory ring, see
-    :mod:`~centralpipe.dispatch.wire.shm`)."""
+    :mod:`~centralpipe.dispatch.wire.ringreader`)."""
     return _unplain(transport.recv(conn, ring))
 
 
@@ -295,7 +295,7 @@ def seal_outputs(result: ChunkResult, per_item: bool, flat: bool = True) -> Chun
 def unseal_outputs(result: ChunkResult, stage: str | None, boundary: str) -> ChunkResult:
     """A per-item result as the main process delivers it: inputs whose outputs
     cannot be unpickled fail at ``stage``; inputs that could not be unpickled
-    in the worker (stage ``None``) fail at ``boundary``."""
+    in the worker (stage ``None``) fail at ``run``."""
     failures = [
         f if f.stage is not None else f._replace(stage=boundary) for f in result.failures or ()
     ]

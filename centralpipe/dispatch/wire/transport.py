@@ -26,9 +26,9 @@ message's tensors and arrays use of it. So
 - large regions (and protocol-5 ``PickleBuffer``\\ s of other libraries) travel
   out of band: :func:`dumps` returns them as separate buffers (memoryviews of
   the original memory, no copy). :func:`write` given the sender's
-  shared-memory ring (:mod:`centralpipe.dispatch.wire.shm`: a worker's results)
+  shared-memory ring (:mod:`centralpipe.dispatch.wire.ringreader`: a worker's results)
   copies those of 16 KiB and more into it, unless the worker already moved
-  them there as it made them (a :class:`~centralpipe.dispatch.wire.stash.RingRef`
+  them there as it made them (a :class:`~centralpipe.dispatch.wire.ringwriter.RingRef`
   stands for such an output), and puts only their ring offsets in the
   header; the others it writes with ``Connection.send_bytes``. :func:`recv`
   takes ring buffers as the ring lends them (no copy) or copies them out,
@@ -56,8 +56,8 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from centralpipe.dispatch.wire import plain
-from centralpipe.dispatch.wire.shm import Ring
-from centralpipe.dispatch.wire.stash import Placed, RingRef, RingWriter, plain_cpu_tensor
+from centralpipe.dispatch.wire.ringreader import Ring
+from centralpipe.dispatch.wire.ringwriter import Placed, RingRef, RingWriter, plain_cpu_tensor
 
 try:
     import numpy as np

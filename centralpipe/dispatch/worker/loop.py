@@ -40,7 +40,7 @@ from centralpipe.dispatch.wire.protocol import (
     ChunkResult,
     StageFailure,
 )
-from centralpipe.dispatch.wire.stash import RingWriter, receive_ring, stash
+from centralpipe.dispatch.wire.ringwriter import RingWriter, receive_ring, stash
 from centralpipe.dispatch.worker.chain import WorkerChain
 from centralpipe.dispatch.worker.ranges import LineRange, run_range
 

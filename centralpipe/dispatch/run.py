@@ -4,7 +4,7 @@ A :class:`Run` is one pass (an epoch, or the rest of one): one
 :class:`~centralpipe.dispatch.reorder.Stream` per parallel central stage
 (stream ids ``0..k-1``, in chain order) and one for the dispatch boundary
 (stream id ``k``), all over one executor through one
-:class:`~centralpipe.dispatch.supervisor.Session`. It is what
+:class:`~centralpipe.dispatch.supervisor.Supervisor`. It is what
 :mod:`~centralpipe.dispatch.central` drives: outputs, the checkpoint of every stream under one
 lock, the delivered view of ``count`` stages, worker states, and stop.
 """
@@ -20,7 +20,7 @@ from centralpipe.checkpoint.model import Captured, Checkpoint, stamp_tuple
 from centralpipe.dispatch.executors.pool import Executor
 from centralpipe.dispatch.reorder import Driver, Stamper, Stream, StreamStats
 from centralpipe.dispatch.sender import FeederDriver, InlineDriver, SegmentDriver
-from centralpipe.dispatch.supervisor import Policy, Session
+from centralpipe.dispatch.supervisor import Policy, Supervisor
 from centralpipe.dispatch.warm import WarmDriver, WarmStart
 from centralpipe.dispatch.worker.chain import WorkerChain
 from centralpipe.stages import CentralNode, Parallel, Shard
@@ -55,7 +55,7 @@ class Run:
         self.nodes = list(nodes)
         self._read_in_workers = read_in_workers
         self.segments = [n for n in nodes if isinstance(n, Parallel)]
-        self.session: Session | None = None
+        self.session: Supervisor | None = None
         self.feeder: FeederDriver | None = None
         self._policy, self._run_id, self._stats = policy, run_id, stats
         if executor is not None:
@@ -126,13 +126,13 @@ class Run:
         else:
             self.stream.driver = InlineDriver(self.stream, on_stop=self.stop_session)
 
-    def _new_session(self, executor: Executor) -> Session:
-        session = Session(executor, self._run_id, self._policy, self._stats)
+    def _new_session(self, executor: Executor) -> Supervisor:
+        session = Supervisor(executor, self._run_id, self._policy, self._stats)
         session.streams = [*self.segment_streams, self.stream]
         session.held.streams = session.streams
         return session
 
-    def _wire(self, session: Session) -> None:
+    def _wire(self, session: Supervisor) -> None:
         """Have every stream run over ``session``'s workers (no thread starts)."""
         for stream in session.streams:
             stream.held = session.held
@@ -201,7 +201,7 @@ class Run:
         return self.stream.next_output()
 
     def reading(self, what: str) -> contextlib.AbstractContextManager[None]:
-        """The chain lock, to read central stages (``guard.Holding``)."""
+        """The chain lock, to read central stages (``chainlock.Holding``)."""
         return self.stream.reading(what)
 
     def capture(self, what: str = "state_dict()") -> Captured:
@@ -289,7 +289,7 @@ def _range_reader(stream: Stream) -> Any:
 def idle_worker_states(pool: Executor, stats: StreamStats) -> list[dict[str, Any]]:
     """Worker states between runs: a short session with no streams."""
     w = Policy(timeout_s=None, max_restarts=2**31, item_retries=0, on_error="raise")
-    session = Session(pool, run_id=-1, policy=w, stats=stats)
+    session = Supervisor(pool, run_id=-1, policy=w, stats=stats)
     try:
         session.start()  # also replaces a worker that died since the last run
         return session.worker_states()

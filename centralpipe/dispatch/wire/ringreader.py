@@ -43,8 +43,8 @@ Why it is safe:
   most ``ROOM_WAIT_S`` and then sends the buffer on the pipe; with a full
   release pipe the main process keeps the releases and writes them later.
 
-The worker's side (:class:`~centralpipe.dispatch.wire.stash.RingWriter`) is in
-:mod:`centralpipe.dispatch.wire.stash`. Only public APIs: ``os.memfd_create``,
+The worker's side (:class:`~centralpipe.dispatch.wire.ringwriter.RingWriter`) is in
+:mod:`centralpipe.dispatch.wire.ringwriter`. Only public APIs: ``os.memfd_create``,
 ``mmap`` (``madvise``), ``socket.send_fds`` / ``recv_fds``, ``os.pipe``,
 ``weakref`` and numpy. Where
 ``memfd_create`` does not exist (not Linux), workers have no ring and every

@@ -115,7 +115,7 @@ class Holding:
 
 class Wake:
     """Wakes every thread waiting in :meth:`wait_unless` at
-    :meth:`notify_all`; the one wake-up of a run (``Session.wake``).
+    :meth:`notify_all`; the one wake-up of a run (``Supervisor.wake``).
 
     Not a ``threading.Condition``: its ``__enter__``, ``__exit__`` and
     ``wait()`` are Python code between C-level lock operations, so a Ctrl-C

@@ -13,7 +13,7 @@ to the next output. The transport sends a ``RingRef`` like the tensor or
 array it stands for (its ring offset in the header, no second copy); the
 main process rebuilds exactly what the output would have become.
 
-:class:`RingWriter` keeps the ring's free space (see :mod:`centralpipe.dispatch.wire.shm`
+:class:`RingWriter` keeps the ring's free space (see :mod:`centralpipe.dispatch.wire.ringreader`
 for the protocol and why it is safe).
 
 Only outputs whose observable form this keeps whole are moved: a CPU tensor
@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from centralpipe.dispatch import timeouts
-from centralpipe.dispatch.wire.shm import (
+from centralpipe.dispatch.wire.ringreader import (
     EXTENT,
     HANDOVER,
     MAGIC,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._leaks import (
+from tests.support.leaks import (
     describe,
     kill_processes,
     live_descendants,

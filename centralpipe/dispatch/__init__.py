@@ -7,7 +7,7 @@ of a pass share one executor (processes or threads) and one supervisor.
 
 Modules, by role. ``[worker]``: runs in worker processes too (the worker loop
 and all it imports): never imports torch, the builder or the central stages,
-a rule ``tests/test_layout.py`` checks. Every other module runs in the main
+a rule ``tests/project/test_layout.py`` checks. Every other module runs in the main
 process only.
 
 Main process, one pass of the Loader:
@@ -194,7 +194,7 @@ chunk is retired whole or not at all; the iterators are not generators (an
 exception raised through a generator ends it). Every close is finished by
 the next call: a resource is forgotten only once released, and every pipe
 end and ring is registered as it is opened
-(``tests/test_dispatch_interrupts.py``).
+(``tests/dispatch/test_dispatch_interrupts.py``).
 
 A real SIGINT is handled where CPython checks for one: as a Python
 function starts, on a backward jump, after a call into C returns. So every
@@ -210,10 +210,10 @@ which any handler the user installs later replaces, and ``pthread_sigmask``
 in the main thread does not stop another thread from taking the signal.
 Each position moves with no call between the move and its record (a
 ``for`` takes an output; ``pending`` changes last), so nothing is lost or
-handed out twice (``tests/test_real_signals.py``).
+handed out twice (``tests/dispatch/test_real_signals.py``).
 
 Races the design rules out (each with a test that makes it happen,
-``tests/test_by_design.py``): a status read in the middle of the worker's
+``tests/dispatch/test_by_design.py``): a status read in the middle of the worker's
 write (the version counter); two readers changing the reader count at once
 (``_readers_lock``); Ctrl-C while the consumer waits for a result (the
 consumer never reads a pipe, so no message is cut in half and nothing is

@@ -7,7 +7,7 @@ resumption) of centralpipe's own code the call runs (see ``_PACKAGE_DIR``),
 at the same point of the same code path. It lands where a Ctrl-C does: in the
 main thread, at a function's entry, where CPython checks for signals (it also
 checks right after each call into C returns, which this model does not reach:
-``tests/test_real_signals.py`` sends real SIGINTs for that), and never
+``tests/dispatch/test_real_signals.py`` sends real SIGINTs for that), and never
 in the feeder, supervisor or worker threads, which a Ctrl-C never reaches. A
 call that ends before its ``k``-th event is counted as *missed*.
 

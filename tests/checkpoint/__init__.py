@@ -1,0 +1,1 @@
+"""Checkpoints: the model, resume, damage, elastic merges, compact state."""

@@ -1,0 +1,1 @@
+"""The dispatch boundary: executors, workers, the wire, faults, signals, central modes."""

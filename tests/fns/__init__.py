@@ -1,0 +1,1 @@
+"""Functions the workers import by module path (torch-free unless named so)."""

@@ -1,0 +1,1 @@
+"""Lightning and the progress bar."""

@@ -1,0 +1,1 @@
+"""The Loader end to end, in one process and under torchrun."""

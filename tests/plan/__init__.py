@@ -1,0 +1,1 @@
+"""The builder: pipelines, specs, configs."""

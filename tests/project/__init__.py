@@ -1,0 +1,1 @@
+"""The project as a whole: public API, docs, examples, layout, lint."""

@@ -1,0 +1,1 @@
+"""Programs the tests run by path (torchrun ranks, orphan and service mains, probes)."""

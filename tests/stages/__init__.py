@@ -1,0 +1,1 @@
+"""The central stages: sources, readers, regrouping, totals."""

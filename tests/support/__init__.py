@@ -1,0 +1,1 @@
+"""What the tests share: configs, leak checks, torchrun launches, the Lightning app."""

@@ -1,0 +1,1 @@
+"""The command line, the benches, the soak and the testing helpers."""

@@ -342,9 +342,13 @@ def _one_round(rng: random.Random, totals: Totals, tmp: Path, inject: faults.Int
                     break  # the checkpoint taken below resumes after `got`
                 got.append(x)
                 pids.update(loader.worker_pids())
-                if i == kill_at and loader.worker_pids():
-                    os.kill(rng.choice(loader.worker_pids()), signal.SIGKILL)
-                    totals.outside_kills += 1
+                victims = loader.worker_pids() if i == kill_at else []
+                if victims:
+                    try:
+                        os.kill(rng.choice(victims), signal.SIGKILL)
+                        totals.outside_kills += 1
+                    except ProcessLookupError:
+                        pass  # it had just died (a kill from inside) and is being replaced
                 if i == probe_at:  # an interrupted state_dict() leaves the iterator going
                     try:
                         inject.call("state_dict", loader.state_dict)

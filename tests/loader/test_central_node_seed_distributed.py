@@ -67,14 +67,15 @@ def killed(out: Path) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("workers", [0, 2, 3])
+@pytest.mark.parametrize("workers", [2, 3])
 def test_each_rank_gets_process_mode_batches(compared: list[dict[str, Any]], workers: int) -> None:
     """The example's seed pipeline: each rank's epoch in node mode is its
-    process-mode epoch batch for batch, at 0, 2 and 3 workers per node."""
+    process-mode epoch batch for batch, at 2 and 3 workers per node (0 and 1
+    in one process: tests/dispatch/test_central_node.py)."""
     for result in compared:
         full = result["full"]
         assert full[f"node-{workers}"] == full[f"process-{workers}"]
-        assert len(full["process-0"]) > 50
+        assert len(full["process-2"]) >= 20  # 23 batches a rank on the two files
     assert not set(compared[0]["full"]["node-2"]) & set(compared[1]["full"]["node-2"])
 
 

@@ -8,7 +8,8 @@ fingerprints, pickles and checkpoints read the same. :data:`CENTRAL_OPTIONS`
 names the class of each central kind; :class:`~centralpipe.plan.specs.StageSpec`
 converts the options it is given into it. The builder checks the values
 (:mod:`centralpipe.plan.checks`); these classes refuse an option the kind
-does not take.
+does not take, and the values the builder refuses that need nothing but the
+value (a size, a choice), in the builder's words.
 
 Runs in worker processes too: imports neither torch nor the builder.
 """
@@ -24,6 +25,9 @@ from centralpipe.errors import PipelineError
 
 __all__ = [
     "CENTRAL_OPTIONS",
+    "EQUALIZE",
+    "OVERSIZE",
+    "STRATEGIES",
     "BatchOptions",
     "BucketOptions",
     "DatasetOptions",
@@ -42,6 +46,38 @@ __all__ = [
 ]
 
 _O = TypeVar("_O", bound="Options")
+
+#: ``shard(equalize=...)``.
+EQUALIZE = (None, "drop_last", "pad")
+#: ``pack(strategy=...)`` and ``pack(oversize=...)``.
+STRATEGIES = ("first_fit", "best_fit")
+OVERSIZE = ("raise", "drop")
+
+
+# Validators for what the builder checks too, with its words: a hand-made
+# spec is refused as the builder refuses it (``from_mapping`` names the stage).
+def _at_least(minimum: int) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    def check(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            msg = f"`{attribute.name}` must be an int >= {minimum}, got {value!r}."
+            raise PipelineError(msg)
+
+    return check
+
+
+def _one_of(choices: tuple[Any, ...]) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    def check(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value not in choices:
+            msg = f"`{attribute.name}` must be one of {choices}, got {value!r}."
+            raise PipelineError(msg)
+
+    return check
+
+
+def _equalize(_inst: Any, _attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value not in EQUALIZE:
+        msg = f"`equalize` must be None, 'drop_last' or 'pad', got {value!r}."
+        raise PipelineError(msg)
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -183,7 +219,7 @@ class BatchOptions(Options):
     """``batch``."""
 
     TAKES = SHOWN = ("batch_size", "drop_last")
-    batch_size: int
+    batch_size: int = attrs.field(validator=_at_least(1))
     drop_last: bool
 
 
@@ -192,9 +228,9 @@ class BucketOptions(Options):
     """``bucket_by_max_tokens`` (its ``len_fn`` is the spec's function)."""
 
     TAKES = SHOWN = ("max_tokens", "buffer_size", "min_len", "max_len", "include_padding")
-    max_tokens: int
-    buffer_size: int | None
-    min_len: int
+    max_tokens: int = attrs.field(validator=_at_least(1))
+    buffer_size: int | None = attrs.field(validator=attrs.validators.optional(_at_least(1)))
+    min_len: int = attrs.field(validator=_at_least(0))
     max_len: int | None
     include_padding: bool
 
@@ -204,10 +240,10 @@ class PackOptions(Options):
     """``pack`` (its ``len_fn`` is the spec's function)."""
 
     TAKES = SHOWN = ("max_tokens", "strategy", "buffer_size", "oversize")
-    max_tokens: int
-    strategy: str
-    buffer_size: int
-    oversize: str
+    max_tokens: int = attrs.field(validator=_at_least(1))
+    strategy: str = attrs.field(validator=_one_of(STRATEGIES))
+    buffer_size: int = attrs.field(validator=_at_least(1))
+    oversize: str = attrs.field(validator=_one_of(OVERSIZE))
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -215,7 +251,7 @@ class ShuffleOptions(Options):
     """``shuffle``."""
 
     TAKES = SHOWN = ("buffer_size",)
-    buffer_size: int
+    buffer_size: int = attrs.field(validator=_at_least(1))
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -223,7 +259,7 @@ class ShardOptions(Options):
     """``shard``: ``equalize`` (listed even when ``None``)."""
 
     TAKES = SHOWN = ("equalize",)
-    equalize: str | None = None
+    equalize: str | None = attrs.field(default=None, validator=_equalize)
 
 
 #: The options class of each central kind, by the spec's kind string.

@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeVar
 import attrs
 
 from centralpipe.plan.kinds import WORKER_KINDS, ItemOptions, WorkerKind, kind_of
-from centralpipe.plan.options import CENTRAL_OPTIONS, Options
+from centralpipe.plan.options import CENTRAL_OPTIONS, EQUALIZE, OVERSIZE, STRATEGIES, Options
 
 __all__ = [
     "EQUALIZE",
@@ -39,13 +39,8 @@ __all__ = [
 _O = TypeVar("_O", bound=Options)
 
 Placement = Literal["source", "central", "dispatch", "worker"]
-#: ``shard(equalize=...)``.
-EQUALIZE = (None, "drop_last", "pad")
 #: ``mix(stop=...)``.
 STOP_MODES = ("first_exhausted", "all_exhausted", "never")
-#: ``pack(strategy=...)`` and ``pack(oversize=...)``.
-STRATEGIES = ("first_fit", "best_fit")
-OVERSIZE = ("raise", "drop")
 
 
 @attrs.frozen(eq=False)

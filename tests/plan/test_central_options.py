@@ -287,3 +287,39 @@ def test_describe_and_fingerprint_are_unchanged(at: int) -> None:
     """``describe()`` and ``fingerprint()`` print what they did with dict options."""
     pipe = _pipes()[at]
     assert (pipe.describe(), pipe.fingerprint()) == EXPECTED[at]
+
+
+@pytest.mark.parametrize(
+    ("kind", "options", "build"),
+    [
+        ("batch", {"batch_size": 0, "drop_last": False}, lambda: _SUB.batch(0, name="s")),
+        ("shuffle", {"buffer_size": True}, lambda: _SUB.shuffle(True, name="s")),
+        ("shard", {"equalize": "all"}, lambda: _SUB.shard(equalize="all", name="s")),  # type: ignore[arg-type]
+        (
+            "pack",
+            {"max_tokens": 8, "strategy": "worst_fit", "buffer_size": 4, "oversize": "raise"},
+            lambda: _SUB.pack(8, strategy="worst_fit", buffer_size=4, name="s"),  # type: ignore[arg-type]
+        ),
+        (
+            "bucket_by_max_tokens",
+            {
+                "max_tokens": 8,
+                "buffer_size": 0,
+                "min_len": 0,
+                "max_len": None,
+                "include_padding": False,
+            },
+            lambda: _SUB.bucket_by_max_tokens(8, buffer_size=0, name="s"),
+        ),
+    ],
+)
+def test_a_hand_made_spec_with_a_bad_value_is_refused_in_the_builders_words(
+    kind: str, options: dict[str, Any], build: Callable[[], cp.Pipeline]
+) -> None:
+    """A value the builder refuses is refused in a hand-made spec too, with
+    the builder's exact message."""
+    with pytest.raises(cp.PipelineError) as by_builder:
+        build()
+    with pytest.raises(cp.PipelineError) as by_hand:
+        StageSpec(kind, "s", "central", options=options)
+    assert str(by_hand.value) == str(by_builder.value)

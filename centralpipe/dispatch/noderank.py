@@ -20,6 +20,7 @@ from centralpipe.checkpoint import resume
 from centralpipe.config import LoaderConfig
 from centralpipe.dispatch.local import LocalCentral
 from centralpipe.dispatch.node import NodeShard, NodeStream
+from centralpipe.plan.options import ShardOptions
 from centralpipe.plan.pipeline import Pipeline
 from centralpipe.stages import Parallel
 
@@ -45,7 +46,8 @@ class RankCentral(LocalCentral):
 
     def _build_nodes(self, pipeline: Pipeline) -> list[Any]:
         spec = self._stream.shard_spec
-        shard = NodeShard(self._stream, self._local, spec.options["equalize"], spec.name, self._ctx)
+        equalize = spec.options_as(ShardOptions).equalize
+        shard = NodeShard(self._stream, self._local, equalize, spec.name, self._ctx)
         self._stream.shards[self._local] = shard
         return [*self._stream.nodes, shard]
 

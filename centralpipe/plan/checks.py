@@ -2,10 +2,11 @@
 stage, what was expected and what was got.
 
 The checks shared by every builder method (a name, a callable, an int) and
-those of one stage kind's arguments, which return the options its spec
-records. :mod:`centralpipe.plan.pipeline` calls them; the checks that
-depend on where a stage goes in the pipeline (before or after
-``dispatch()``) are given that position, never the pipeline.
+those of one stage kind's arguments, which return the typed options its
+spec records (:mod:`centralpipe.plan.options`).
+:mod:`centralpipe.plan.pipeline` calls them; the checks that depend on
+where a stage goes in the pipeline (before or after ``dispatch()``) are
+given that position, never the pipeline.
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ from typing import Any
 
 from centralpipe.errors import PipelineError
 from centralpipe.plan.kinds import WORKER_KINDS, ItemOptions
+from centralpipe.plan.options import (
+    BucketOptions,
+    PackOptions,
+    ReadJsonlOptions,
+    ReadLinesOptions,
+    ReadParquetOptions,
+)
 from centralpipe.plan.specs import EQUALIZE, OVERSIZE, STRATEGIES, Placement
 
 __all__ = [
@@ -135,11 +143,11 @@ def check_placement(kind: str, stage: str, placement: Placement, dispatch_name: 
 # -- one stage kind's arguments ------------------------------------------------------------
 
 
-def read_lines_options(encoding: Any, errors: Any, stage: str) -> dict[str, Any]:
+def read_lines_options(encoding: Any, errors: Any, stage: str) -> ReadLinesOptions:
     """The options of ``read_lines(encoding=, errors=)``."""
     check_line_encoding(encoding, stage)
     check_decode_errors(errors, stage)
-    return {"encoding": encoding, "errors": errors}
+    return ReadLinesOptions(encoding=encoding, errors=errors)
 
 
 def item_options(
@@ -192,7 +200,7 @@ def item_options(
         raise PipelineError(f"stage '{stage}': {exc}") from None
 
 
-def read_jsonl_options(field: Any, errors: Any, stage: str) -> dict[str, Any]:
+def read_jsonl_options(field: Any, errors: Any, stage: str) -> ReadJsonlOptions:
     """The options of ``read_jsonl(field=, errors=)``."""
     if field is not None and not isinstance(field, str) and not callable(field):
         msg = (
@@ -203,10 +211,10 @@ def read_jsonl_options(field: Any, errors: Any, stage: str) -> dict[str, Any]:
     if errors not in ("strict", "skip"):
         msg = f"stage '{stage}': `errors` must be 'strict' or 'skip', got {errors!r}."
         raise PipelineError(msg)
-    return {"field": field, "errors": errors}
+    return ReadJsonlOptions(field=field, errors=errors)
 
 
-def read_parquet_options(columns: Any, batch_rows: Any, stage: str) -> dict[str, Any]:
+def read_parquet_options(columns: Any, batch_rows: Any, stage: str) -> ReadParquetOptions:
     """The options of ``read_parquet(columns=, batch_rows=)`` (pyarrow installed)."""
     import importlib.util
 
@@ -228,7 +236,7 @@ def read_parquet_options(columns: Any, batch_rows: Any, stage: str) -> dict[str,
         columns = tuple(columns)
     if batch_rows is not None:
         check_int(batch_rows, "batch_rows", stage, 1)
-    return {"columns": columns, "batch_rows": batch_rows}
+    return ReadParquetOptions(columns=columns, batch_rows=batch_rows)
 
 
 def bucket_options(
@@ -239,7 +247,7 @@ def bucket_options(
     max_len: Any,
     include_padding: Any,
     stage: str,
-) -> dict[str, Any]:
+) -> BucketOptions:
     """The options of ``bucket_by_max_tokens`` (``len_fn`` is the spec's function)."""
     check_int(max_tokens, "max_tokens", stage, 1)
     check_callable(len_fn, "`len_fn`", stage)
@@ -248,13 +256,13 @@ def bucket_options(
     check_int(min_len, "min_len", stage, 0)
     if max_len is not None:
         check_int(max_len, "max_len", stage, min_len)
-    return {
-        "max_tokens": max_tokens,
-        "buffer_size": buffer_size,
-        "min_len": min_len,
-        "max_len": max_len,
-        "include_padding": bool(include_padding),
-    }
+    return BucketOptions(
+        max_tokens=max_tokens,
+        buffer_size=buffer_size,
+        min_len=min_len,
+        max_len=max_len,
+        include_padding=bool(include_padding),
+    )
 
 
 def pack_options(
@@ -264,7 +272,7 @@ def pack_options(
     buffer_size: Any,
     oversize: Any,
     stage: str,
-) -> dict[str, Any]:
+) -> PackOptions:
     """The options of ``pack`` (``len_fn`` is the spec's function)."""
     check_int(max_tokens, "max_tokens", stage, 1)
     check_callable(len_fn, "`len_fn`", stage)
@@ -275,12 +283,9 @@ def pack_options(
     if oversize not in OVERSIZE:
         msg = f"stage '{stage}': `oversize` must be one of {OVERSIZE}, got {oversize!r}."
         raise PipelineError(msg)
-    return {
-        "max_tokens": max_tokens,
-        "strategy": strategy,
-        "buffer_size": buffer_size,
-        "oversize": oversize,
-    }
+    return PackOptions(
+        max_tokens=max_tokens, strategy=strategy, buffer_size=buffer_size, oversize=oversize
+    )
 
 
 def check_count(name: Any, weight_fn: Any, default_name: str) -> None:

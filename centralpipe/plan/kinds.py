@@ -9,19 +9,21 @@ values of one input in the worker chain. Whoever needs a rule of the kind
 looks it up here: the builder (the options it accepts), the central nodes
 (``stages.transform`` inline, ``stages.parallel`` on the workers) and the
 worker chain (``dispatch.worker.chain``). Central stage kinds have their home
-in their node class (:mod:`centralpipe.stages`).
+in their node class (:mod:`centralpipe.stages`), their typed options in
+:mod:`centralpipe.plan.options`.
 
 Runs in worker processes too: imports neither torch nor the builder.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Literal
 
 import attrs
 
 from centralpipe.errors import PipelineError
+from centralpipe.plan.options import Options
 
 __all__ = [
     "BATCHED_MAP",
@@ -69,21 +71,13 @@ def _flag(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
 
 
 @attrs.frozen(kw_only=True, eq=False)
-class ItemOptions(Mapping[str, Any]):
-    """The typed options of a per-item stage; read as attributes.
-
-    Also a read-only mapping of the options as the builder records them
-    (``describe()``, ``StageSpec.options.items()``): each option the kind
-    takes that is set, and those in ``SHOWN`` always; it compares equal to
-    a dict of the same items, as the dict it replaces did. A subclass per
-    kind says which it takes (``TAKES``); setting another is a
-    ``PipelineError``.
+class ItemOptions(Options):
+    """The typed options of a per-item stage (an :class:`Options`, read as
+    attributes and as the mapping the builder records): a subclass per kind
+    says which it takes (``TAKES``); setting another is a ``PipelineError``.
     """
 
-    #: Options this kind takes, in the order the mapping lists them.
     TAKES: ClassVar[tuple[str, ...]] = ("with_rng", "parallel", "batched")
-    #: Options the mapping lists even when unset.
-    SHOWN: ClassVar[tuple[str, ...]] = ()
 
     #: ``fn(item, rng)`` with a ``torch.Generator`` seeded per item.
     with_rng: bool = attrs.field(default=False, validator=_flag)
@@ -91,43 +85,6 @@ class ItemOptions(Mapping[str, Any]):
     parallel: bool = attrs.field(default=False, validator=_flag)
     #: ``fn(list of items) -> list``, once per chunk.
     batched: bool = attrs.field(default=False, validator=_flag)
-
-    def __attrs_post_init__(self) -> None:
-        for field in attrs.fields(type(self)):
-            if field.name not in self.TAKES and getattr(self, field.name) != field.default:
-                takes = ", ".join(self.TAKES) or "none"
-                msg = f"`{field.name}` is not an option of this stage kind (its options: {takes})."
-                raise PipelineError(msg)
-
-    @classmethod
-    def from_mapping(cls, options: Mapping[str, Any], stage: str) -> ItemOptions:
-        """The options a builder (or a hand-made spec) gave as a mapping;
-        ``PipelineError`` naming ``stage`` for an unknown option or a bad value."""
-        if isinstance(options, cls):
-            return options
-        unknown = sorted(k for k in options if k not in cls.TAKES)
-        if unknown:
-            takes = ", ".join(cls.TAKES) or "none"
-            msg = f"stage '{stage}': unknown option(s) {unknown} (its options: {takes})."
-            raise PipelineError(msg)
-        try:
-            return cls(**options)
-        except PipelineError as exc:
-            raise PipelineError(f"stage '{stage}': {exc}") from None
-
-    def _listed(self) -> list[str]:
-        return [k for k in self.TAKES if k in self.SHOWN or getattr(self, k)]
-
-    def __getitem__(self, key: str) -> Any:
-        if key not in self._listed():
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._listed())
-
-    def __len__(self) -> int:
-        return len(self._listed())
 
 
 @attrs.frozen(kw_only=True, eq=False)

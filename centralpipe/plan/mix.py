@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 
 from centralpipe.errors import PipelineError
+from centralpipe.plan.options import MixOptions
 from centralpipe.plan.specs import STOP_MODES, Plan, StageSpec
 
 __all__ = ["REFUSED_KINDS", "check_weights", "inner_specs", "mix_spec"]
@@ -28,14 +29,12 @@ REFUSED_KINDS = ("shard",)
 
 def _qualify(spec: StageSpec, prefix: str) -> StageSpec:
     options = spec.options
-    if spec.kind == "mix":
-        options = {
-            **options,
-            "pipelines": {
-                key: Plan(tuple(_qualify(s, prefix) for s in plan.stages))
-                for key, plan in options["pipelines"].items()
-            },
+    if isinstance(options, MixOptions):
+        pipelines = {
+            key: Plan(tuple(_qualify(s, prefix) for s in plan.stages))
+            for key, plan in options.pipelines.items()
         }
+        options = attrs.evolve(options, pipelines=pipelines)
     return attrs.evolve(spec, name=prefix + spec.name, options=options)
 
 
@@ -133,15 +132,15 @@ def mix_spec(plans: Any, weights: Any, stop: Any, name: Any) -> StageSpec:
         "mix",
         name,
         "source",
-        options={"pipelines": subs, "weights": check_weights(weights, keys, name), "stop": stop},
+        options=MixOptions(pipelines=subs, weights=check_weights(weights, keys, name), stop=stop),
     )
 
 
 def inner_specs(spec: StageSpec) -> list[StageSpec]:
     """Every stage inside a ``mix`` spec (nested mixes included), in order."""
     out: list[StageSpec] = []
-    if spec.kind == "mix":
-        for plan in spec.options["pipelines"].values():
+    if isinstance(spec.options, MixOptions):
+        for plan in spec.options.pipelines.values():
             for s in plan.stages:
                 out.append(s)
                 out.extend(inner_specs(s))

@@ -35,6 +35,7 @@ from centralpipe.plan.checks import (
 )
 from centralpipe.plan.kinds import WORKER_KINDS, ItemOptions
 from centralpipe.plan.mix import inner_specs, mix_spec
+from centralpipe.plan.options import BatchOptions, NoOptions, Options, ShardOptions, ShuffleOptions
 from centralpipe.plan.sources import dataset_spec, files_spec, iterable_spec, node_spec
 from centralpipe.plan.specs import Placement, Plan, StageSpec, plan_repr
 
@@ -238,7 +239,7 @@ class Pipeline:
             "batch",
             name,
             "central",
-            options={"batch_size": batch_size, "drop_last": bool(drop_last)},
+            options=BatchOptions(batch_size=batch_size, drop_last=bool(drop_last)),
         )
 
     def bucket_by_max_tokens(
@@ -292,7 +293,8 @@ class Pipeline:
         generator state are checkpointed."""
         stage = name or self._default_name("shuffle")
         check_int(buffer_size, "buffer_size", stage, 1)
-        return self._add("shuffle", name, "central", options={"buffer_size": buffer_size})
+        options = ShuffleOptions(buffer_size=buffer_size)
+        return self._add("shuffle", name, "central", options=options)
 
     def count(
         self, name: str | None = None, *, weight_fn: Callable[[Any], float] | None = None
@@ -309,7 +311,7 @@ class Pipeline:
         gives every rank the same count: ``"drop_last"`` drops the last
         incomplete round, ``"pad"`` completes it with that round's items."""
         check_equalize(equalize, name or self._default_name("shard"))
-        return self._add("shard", name, "central", options={"equalize": equalize})
+        return self._add("shard", name, "central", options=ShardOptions(equalize=equalize))
 
     def dispatch(self, *, name: str = "dispatch") -> Pipeline:
         """The round-robin boundary: stages after it run in worker processes."""
@@ -396,7 +398,7 @@ class Pipeline:
         placement: Placement,
         *,
         fn: Any = None,
-        options: Mapping[str, Any] | None = None,
+        options: Options | None = None,
     ) -> Pipeline:
         stage = self._default_name(kind) if name is None else name
         check_name(stage)
@@ -407,7 +409,7 @@ class Pipeline:
         if stage in taken:
             msg = f"stage name '{stage}' is already used in this pipeline; pass a unique name=."
             raise PipelineError(msg)
-        if not isinstance(options, ItemOptions):
-            options = dict(options or {})
+        if options is None:
+            options = NoOptions()
         spec = StageSpec(kind, stage, placement, fn=fn, options=options)
         return Pipeline((*self._specs, spec))

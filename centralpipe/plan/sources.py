@@ -15,6 +15,12 @@ from typing import Any
 
 from centralpipe.errors import PipelineError
 from centralpipe.plan.checks import check_name, is_sequence_like
+from centralpipe.plan.options import (
+    DatasetOptions,
+    FilesOptions,
+    IterableOptions,
+    StatefulIterableOptions,
+)
 from centralpipe.plan.specs import StageSpec
 
 __all__ = ["dataset_spec", "files_spec", "iterable_spec", "node_spec"]
@@ -44,8 +50,8 @@ def iterable_spec(iterable: Any, name: str) -> StageSpec:
         # Keeps its own position (a datasets.IterableDataset): checkpointed through
         # it. Each epoch starts from its state now, whatever Loaders do to it later.
         start = copy.deepcopy(iterable.state_dict())
-        options = {"source": iterable, "start": start}
-        return StageSpec("stateful_iterable", name, "source", options=options)
+        stateful = StatefulIterableOptions(source=iterable, start=start)
+        return StageSpec("stateful_iterable", name, "source", options=stateful)
     elif callable(iterable):
         mode = "factory"
     elif isinstance(iterable, Iterable):
@@ -64,7 +70,8 @@ def iterable_spec(iterable: Any, name: str) -> StageSpec:
             f"or a zero-argument callable, got {type(iterable).__name__}."
         )
         raise PipelineError(msg)
-    return StageSpec("iterable", name, "source", options={"source": iterable, "mode": mode})
+    options = IterableOptions(source=iterable, mode=mode)
+    return StageSpec("iterable", name, "source", options=options)
 
 
 def files_spec(
@@ -73,7 +80,7 @@ def files_spec(
     """The spec of ``Pipeline.from_files(paths, name=name)``."""
     check_name(name)
     if isinstance(paths, (str, os.PathLike)):
-        options: dict[str, Any] = {"glob": os.fspath(paths)}
+        options = FilesOptions(glob=os.fspath(paths))
     elif isinstance(paths, Sequence) and not isinstance(paths, bytes):
         items = list(paths)
         if not items:
@@ -83,7 +90,7 @@ def files_spec(
         if bad:
             msg = f"stage '{name}': paths must be str or os.PathLike, got {bad[0]!r}."
             raise PipelineError(msg)
-        options = {"paths": tuple(os.fspath(p) for p in items)}
+        options = FilesOptions(paths=tuple(os.fspath(p) for p in items))
     else:
         msg = (
             f"stage '{name}': from_files needs a glob string or a list of paths, "
@@ -102,7 +109,7 @@ def dataset_spec(dataset: Any, name: str) -> StageSpec:
             f"__getitem__, got {type(dataset).__name__}; use from_iterable for iterables."
         )
         raise PipelineError(msg)
-    return StageSpec("dataset", name, "source", options={"source": dataset})
+    return StageSpec("dataset", name, "source", options=DatasetOptions(source=dataset))
 
 
 def node_spec(node: Any, name: str) -> StageSpec:
@@ -117,4 +124,4 @@ def node_spec(node: Any, name: str) -> StageSpec:
             f"got {type(node).__name__}."
         )
         raise PipelineError(msg)
-    return StageSpec("node", name, "source", options={"source": node})
+    return StageSpec("node", name, "source", options=DatasetOptions(source=node))

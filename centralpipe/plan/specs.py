@@ -3,8 +3,9 @@
 A :class:`StageSpec` is kind, name, placement, function and options. The
 options of a per-item kind (``map``, ``filter``, ``flat_map``, ``collate``)
 are typed (:class:`~centralpipe.plan.kinds.ItemOptions`, their kind's home
-is :mod:`centralpipe.plan.kinds`); a central kind's options are a dict that
-its node class reads (:mod:`centralpipe.stages`). A :class:`Plan` is a
+is :mod:`centralpipe.plan.kinds`), and so are a central kind's
+(:mod:`centralpipe.plan.options`, read by its node class in
+:mod:`centralpipe.stages`). A :class:`Plan` is a
 sub-pipeline as a ``mix`` spec records it. The values some options may take
 are named here, for the builder's checks and the node classes alike.
 
@@ -15,11 +16,12 @@ neither the builder nor torch.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import attrs
 
 from centralpipe.plan.kinds import WORKER_KINDS, ItemOptions, WorkerKind, kind_of
+from centralpipe.plan.options import CENTRAL_OPTIONS, EQUALIZE, OVERSIZE, STRATEGIES, Options
 
 __all__ = [
     "EQUALIZE",
@@ -34,22 +36,21 @@ __all__ = [
     "plan_repr",
 ]
 
+_O = TypeVar("_O", bound=Options)
+
 Placement = Literal["source", "central", "dispatch", "worker"]
-#: ``shard(equalize=...)``.
-EQUALIZE = (None, "drop_last", "pad")
 #: ``mix(stop=...)``.
 STOP_MODES = ("first_exhausted", "all_exhausted", "never")
-#: ``pack(strategy=...)`` and ``pack(oversize=...)``.
-STRATEGIES = ("first_fit", "best_fit")
-OVERSIZE = ("raise", "drop")
 
 
 @attrs.frozen(eq=False)
 class StageSpec:
     """One stage of the plan: what it is, where it runs, and its arguments.
 
-    A per-item kind's ``options`` given as a mapping become its typed
-    options (``PipelineError`` for one the kind does not take)."""
+    ``options`` given as a mapping become the kind's typed options
+    (``PipelineError`` for one the kind does not take, or a required one
+    left out); a kind with no options class (none of the library's) keeps
+    the mapping as given."""
 
     kind: str
     name: str
@@ -58,14 +59,28 @@ class StageSpec:
     options: Mapping[str, Any] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
-        kind = WORKER_KINDS.get(self.kind)
-        if kind is not None and not isinstance(self.options, kind.options):
-            object.__setattr__(self, "options", kind.options.from_mapping(self.options, self.name))
+        worker = WORKER_KINDS.get(self.kind)
+        cls: type[Options] | None = CENTRAL_OPTIONS.get(self.kind)
+        if worker is not None:
+            cls = worker.options
+        if cls is not None and not isinstance(self.options, cls):
+            object.__setattr__(self, "options", cls.from_mapping(self.options, self.name))
 
     @property
     def parallel(self) -> bool:
         """A central stage run in the workers (``parallel=True``)."""
         return isinstance(self.options, ItemOptions) and self.options.parallel
+
+    def options_as(self, cls: type[_O]) -> _O:
+        """The typed options of this stage, which are a ``cls`` (``TypeError``
+        naming the stage when they are not: a node class given another kind's spec)."""
+        if not isinstance(self.options, cls):
+            msg = (
+                f"stage '{self.name}' ({self.kind}) has options of type "
+                f"{type(self.options).__name__}, not {cls.__name__}."
+            )
+            raise TypeError(msg)
+        return self.options
 
     @property
     def item_options(self) -> ItemOptions:

@@ -38,6 +38,7 @@ from attrs import validators as v
 from torchdata.nodes import BaseNode
 
 from centralpipe.checkpoint import compact, table
+from centralpipe.plan.options import BatchOptions, BucketOptions
 from centralpipe.plan.specs import StageSpec
 from centralpipe.stages.base import (
     HELD,
@@ -129,8 +130,8 @@ class Batch(CentralNode[list[Any]]):
 
     @classmethod
     def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> Batch:
-        o = spec.options
-        return cls(source, o["batch_size"], o["drop_last"], name=spec.name, ctx=ctx)
+        o = spec.options_as(BatchOptions)
+        return cls(source, o.batch_size, o.drop_last, name=spec.name, ctx=ctx)
 
     def out_total(self, total: Total) -> Total | None:
         size, n = self._batch_size, total.items
@@ -185,7 +186,18 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
 
     @classmethod
     def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> BucketByMaxTokens:
-        return cls(source, spec.fn, name=spec.name, ctx=ctx, **spec.options)
+        o = spec.options_as(BucketOptions)
+        return cls(
+            source,
+            spec.fn,
+            max_tokens=o.max_tokens,
+            buffer_size=o.buffer_size,
+            min_len=o.min_len,
+            max_len=o.max_len,
+            include_padding=o.include_padding,
+            name=spec.name,
+            ctx=ctx,
+        )
 
     def out_total(self, total: Total) -> Total | None:
         return total.at_most(self.name)  # every batch holds at least one item

@@ -34,6 +34,7 @@ from torchdata.nodes import BaseNode
 
 from centralpipe.dispatch.worker.ranges import LineRange
 from centralpipe.errors import CheckpointError
+from centralpipe.plan.options import ReadLinesOptions
 from centralpipe.plan.specs import StageSpec
 from centralpipe.stages.base import CentralNode, RunContext, pull_one
 from centralpipe.stages.fs import file_size, is_url, open_binary
@@ -161,11 +162,11 @@ class ReadLines(CentralNode[str]):
 
     @classmethod
     def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> ReadLines:
-        o = spec.options
+        o = spec.options_as(ReadLinesOptions)
         return cls(
             source,
-            encoding=o["encoding"],
-            errors=o.get("errors", "strict"),
+            encoding=o.encoding,
+            errors=o.errors,
             name=spec.name,
             ctx=ctx,
         )

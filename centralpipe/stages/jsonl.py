@@ -37,6 +37,7 @@ from attrs import validators as v
 from torchdata.nodes import BaseNode
 
 from centralpipe.errors import CheckpointError
+from centralpipe.plan.options import ReadJsonlOptions
 from centralpipe.plan.specs import StageSpec
 from centralpipe.stages.base import CentralNode, RunContext
 from centralpipe.stages.blocks import CODEC_MAGIC, BlockLines, PlainLines, codec_of
@@ -102,8 +103,8 @@ class ReadJsonl(CentralNode[Any]):
 
     @classmethod
     def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> ReadJsonl:
-        o = spec.options
-        return cls(source, field=o["field"], errors=o["errors"], name=spec.name, ctx=ctx)
+        o = spec.options_as(ReadJsonlOptions)
+        return cls(source, field=o.field, errors=o.errors, name=spec.name, ctx=ctx)
 
     def __init__(
         self,

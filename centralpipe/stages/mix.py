@@ -40,6 +40,7 @@ import attrs
 from attrs import validators as v
 
 from centralpipe.errors import PipelineError
+from centralpipe.plan.options import MixOptions
 from centralpipe.plan.specs import STOP_MODES, Plan, StageSpec
 from centralpipe.seeding import derive_seed
 from centralpipe.stages.base import CentralNode, RunContext, build_central
@@ -124,8 +125,8 @@ class Mix(CentralNode[Any]):
 
     @classmethod
     def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> Mix:
-        o = spec.options
-        return cls(o["pipelines"], o["weights"], o["stop"], build_central, name=spec.name, ctx=ctx)
+        o = spec.options_as(MixOptions)
+        return cls(o.pipelines, o.weights, o.stop, build_central, name=spec.name, ctx=ctx)
 
     def __init__(
         self,

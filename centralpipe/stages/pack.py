@@ -54,6 +54,7 @@ from attrs import validators as v
 from torchdata.nodes import BaseNode
 
 from centralpipe.errors import PipelineError
+from centralpipe.plan.options import PackOptions
 from centralpipe.plan.specs import OVERSIZE, STRATEGIES, StageSpec
 from centralpipe.stages.base import HELD, CentralNode, RunContext, Total, held_items, pull_one
 from centralpipe.stages.measures import as_length
@@ -174,7 +175,17 @@ class Pack(CentralNode[list[Any]]):
 
     @classmethod
     def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> Pack:
-        return cls(source, spec.fn, name=spec.name, ctx=ctx, **spec.options)
+        o = spec.options_as(PackOptions)
+        return cls(
+            source,
+            spec.fn,
+            max_tokens=o.max_tokens,
+            strategy=o.strategy,
+            buffer_size=o.buffer_size,
+            oversize=o.oversize,
+            name=spec.name,
+            ctx=ctx,
+        )
 
     def out_total(self, total: Total) -> Total | None:
         return total.at_most(self.name)  # every group holds at least one item

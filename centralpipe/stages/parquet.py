@@ -30,6 +30,7 @@ from attrs import validators as v
 from torchdata.nodes import BaseNode
 
 from centralpipe.errors import CheckpointError
+from centralpipe.plan.options import ReadParquetOptions
 from centralpipe.plan.specs import StageSpec
 from centralpipe.stages.base import CentralNode, RunContext
 from centralpipe.stages.counts import cached_count
@@ -71,10 +72,8 @@ class ReadParquet(CentralNode[Any]):
 
     @classmethod
     def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> ReadParquet:
-        o = spec.options
-        return cls(
-            source, columns=o["columns"], batch_rows=o["batch_rows"], name=spec.name, ctx=ctx
-        )
+        o = spec.options_as(ReadParquetOptions)
+        return cls(source, columns=o.columns, batch_rows=o.batch_rows, name=spec.name, ctx=ctx)
 
     def __init__(
         self,

@@ -41,6 +41,7 @@ from attrs import validators as v
 from torchdata.nodes import BaseNode
 
 from centralpipe.checkpoint import compact
+from centralpipe.plan.options import ShardOptions
 from centralpipe.plan.specs import StageSpec
 from centralpipe.stages.base import CentralNode, RunContext, Total
 from centralpipe.stages.count import Count
@@ -129,7 +130,7 @@ class Shard(CentralNode[Any]):
 
     @classmethod
     def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> Shard:
-        return cls(source, spec.options["equalize"], name=spec.name, ctx=ctx)
+        return cls(source, spec.options_as(ShardOptions).equalize, name=spec.name, ctx=ctx)
 
     def out_total(self, total: Total) -> Total | None:
         n = shard_length(total.items, self._equalize, self.ctx.rank, self.ctx.world_size)

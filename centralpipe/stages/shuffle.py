@@ -23,6 +23,7 @@ import attrs
 from attrs import validators as v
 from torchdata.nodes import BaseNode
 
+from centralpipe.plan.options import ShuffleOptions
 from centralpipe.plan.specs import StageSpec
 from centralpipe.seeding import derive_seed
 from centralpipe.stages.base import CentralNode, RunContext, Total, pull_one
@@ -78,7 +79,7 @@ class Shuffle(CentralNode[Any]):
 
     @classmethod
     def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> Shuffle:
-        return cls(source, spec.options["buffer_size"], name=spec.name, ctx=ctx)
+        return cls(source, spec.options_as(ShuffleOptions).buffer_size, name=spec.name, ctx=ctx)
 
     def out_total(self, total: Total) -> Total | None:
         return total

@@ -30,6 +30,7 @@ from attrs import validators as v
 from torchdata.nodes import BaseNode
 
 from centralpipe.errors import CheckpointError, PipelineError
+from centralpipe.plan.options import DatasetOptions, FilesOptions, IterableOptions
 from centralpipe.plan.specs import StageSpec
 from centralpipe.stages.base import CentralNode, RunContext
 from centralpipe.stages.fs import file_size, glob_url, is_url
@@ -88,8 +89,8 @@ class IterableSource(CentralNode[Any]):
 
     @classmethod
     def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> IterableSource:
-        o = spec.options
-        return cls(o["source"], o["mode"], name=spec.name, ctx=ctx)
+        o = spec.options_as(IterableOptions)
+        return cls(o.source, o.mode, name=spec.name, ctx=ctx)
 
     def __init__(self, iterable: Any, mode: str, *, name: str, ctx: RunContext) -> None:
         super().__init__(None, name=name, ctx=ctx)
@@ -200,7 +201,7 @@ class DatasetSource(IterableSource):
 
     @classmethod
     def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> DatasetSource:
-        return cls(spec.options["source"], name=spec.name, ctx=ctx)
+        return cls(spec.options_as(DatasetOptions).source, name=spec.name, ctx=ctx)
 
     def __init__(self, dataset: Any, *, name: str, ctx: RunContext) -> None:
         super().__init__(dataset, "sequence", name=name, ctx=ctx)
@@ -217,7 +218,7 @@ class NodeSource(CentralNode[Any]):
 
     @classmethod
     def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> NodeSource:
-        return cls(spec.options["source"], name=spec.name, ctx=ctx)
+        return cls(spec.options_as(DatasetOptions).source, name=spec.name, ctx=ctx)
 
     def __init__(self, node: BaseNode[Any], *, name: str, ctx: RunContext) -> None:
         super().__init__(None, name=name, ctx=ctx)
@@ -262,8 +263,8 @@ class FilesSource(CentralNode[str]):
 
     @classmethod
     def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> FilesSource:
-        o = spec.options
-        return cls(glob=o.get("glob"), paths=o.get("paths"), name=spec.name, ctx=ctx)
+        o = spec.options_as(FilesOptions)
+        return cls(glob=o.glob, paths=o.paths, name=spec.name, ctx=ctx)
 
     def __init__(
         self,

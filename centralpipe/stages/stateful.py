@@ -30,6 +30,7 @@ import attrs
 from attrs import validators as v
 
 from centralpipe.errors import PipelineError
+from centralpipe.plan.options import StatefulIterableOptions
 from centralpipe.plan.specs import StageSpec
 from centralpipe.stages.base import CentralNode, RunContext
 from centralpipe.validators import FieldError, checked, int_in
@@ -83,8 +84,8 @@ class StatefulIterableSource(CentralNode[Any]):
 
     @classmethod
     def from_spec(cls, spec: StageSpec, source: Any, ctx: RunContext) -> StatefulIterableSource:
-        o = spec.options
-        return cls(o["source"], start=o["start"], name=spec.name, ctx=ctx)
+        o = spec.options_as(StatefulIterableOptions)
+        return cls(o.source, start=o.start, name=spec.name, ctx=ctx)
 
     def __init__(self, obj: Any, *, start: dict[str, Any], name: str, ctx: RunContext) -> None:
         super().__init__(None, name=name, ctx=ctx)

@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from centralpipe.plan.kinds import WORKER_KINDS
+from centralpipe.plan.options import BatchOptions, BucketOptions, MixOptions, PackOptions
 from centralpipe.plan.specs import StageSpec
 from centralpipe.stages.base import RunContext, Total
 from centralpipe.stages.files import count_lines
@@ -98,7 +99,8 @@ def _reader_total(
 
 
 def _mix_total(spec: StageSpec, node: Mix, count_files: bool) -> Total | None:
-    stop = spec.options["stop"]
+    options = spec.options_as(MixOptions)
+    stop = options.stop
     if stop == "never":
         return None
     exact = stop == "all_exhausted"
@@ -106,7 +108,7 @@ def _mix_total(spec: StageSpec, node: Mix, count_files: bool) -> Total | None:
     for key, weight, nodes in node.sources():
         if weight <= 0:
             continue
-        sub = chain_totals(nodes, spec.options["pipelines"][key].stages, node.ctx, count_files)
+        sub = chain_totals(nodes, options.pipelines[key].stages, node.ctx, count_files)
         total = sub[nodes[-1].name]
         if total is None:
             return None
@@ -131,7 +133,7 @@ def chain_totals(
         if spec.placement == "source":
             if isinstance(node, Mix):
                 for inner_key, _, inner_nodes in node.sources():
-                    inner_specs = spec.options["pipelines"][inner_key].stages
+                    inner_specs = spec.options_as(MixOptions).pipelines[inner_key].stages
                     out.update(chain_totals(inner_nodes, inner_specs, node.ctx, count_files))
                 total = _mix_total(spec, node, count_files)
             else:
@@ -201,13 +203,15 @@ def weight_total(
     into = totals.get(specs[j - 1].name)
     if into is None:
         return None
-    options = group.options
     if group.kind == "batch":
-        if not options["drop_last"]:
+        batch = group.options_as(BatchOptions)
+        if not batch.drop_last:
             return into
-        size = options["batch_size"]
+        size = batch.batch_size
         return Total(into.items // size * size, into.exact, into.bound_by)
     if group.kind == "bucket_by_max_tokens":
-        drops = options["min_len"] > 0 or options["max_len"] is not None
+        bucket = group.options_as(BucketOptions)
+        drops = bucket.min_len > 0 or bucket.max_len is not None
         return into.at_most(group.name) if drops else into
-    return into.at_most(group.name) if options["oversize"] == "drop" else into
+    drops = group.options_as(PackOptions).oversize == "drop"
+    return into.at_most(group.name) if drops else into

@@ -170,10 +170,15 @@ def test_the_any_level_graph_counts_deferred_and_type_checking_imports() -> None
 
 
 def test_stage_modules_import_only_the_specs_of_the_builder() -> None:
-    """The central stages know the plan by its specs and kinds: no module of
+    """The central stages know the plan by its specs, kinds and typed options: no module of
     ``stages/`` imports the builder (``plan.pipeline``, its checks, its
     sources or ``mix``'s spec), at any level."""
-    plan_side = {"centralpipe.plan", "centralpipe.plan.specs", "centralpipe.plan.kinds"}
+    plan_side = {
+        "centralpipe.plan",
+        "centralpipe.plan.specs",
+        "centralpipe.plan.kinds",
+        "centralpipe.plan.options",
+    }
     found = sorted(
         f"{name} imports {target}"
         for name in MODULES
@@ -187,13 +192,18 @@ def test_stage_modules_import_only_the_specs_of_the_builder() -> None:
 def test_the_worker_side_imports_neither_torch_nor_the_builder() -> None:
     """The worker loop and everything it imports inside the package import no
     torch, no builder (``plan.pipeline``), no central stage and no Loader; of
-    ``plan`` only the specs, which a worker unpickles, and the per-item kinds
-    they name."""
+    ``plan`` only the specs, which a worker unpickles, the per-item kinds
+    they name and the typed options they hold."""
     assert WORKER_MODULE == "centralpipe.dispatch.worker.loop"
     side = _closure(WORKER_MODULE)
     torch = sorted(m for m in side if any(i.split(".")[0] == "torch" for i in _imports(m)))
     assert torch == []
-    allowed_plan = {"centralpipe.plan", "centralpipe.plan.specs", "centralpipe.plan.kinds"}
+    allowed_plan = {
+        "centralpipe.plan",
+        "centralpipe.plan.specs",
+        "centralpipe.plan.kinds",
+        "centralpipe.plan.options",
+    }
     builder = sorted(
         m
         for m in side

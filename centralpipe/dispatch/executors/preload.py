@@ -61,7 +61,7 @@ def needs_torch(specs: Sequence[Any]) -> bool:
     docstring for how it is read, and what is missed)."""
     roots: set[str] = set()
     for spec in specs:
-        if spec.options.get("with_rng"):
+        if spec.item_options.with_rng:
             return True
         try:
             roots |= referenced_modules(pickle.dumps(spec.fn))

@@ -215,7 +215,7 @@ handed out twice (``tests/dispatch/test_real_signals.py``).
 Races the design rules out (each with a test that makes it happen,
 ``tests/dispatch/test_by_design.py``): a status read in the middle of the worker's
 write (the version counter); two readers changing the reader count at once
-(``_readers_lock``); Ctrl-C while the consumer waits for a result (the
+(``readers_lock``); Ctrl-C while the consumer waits for a result (the
 consumer never reads a pipe, so no message is cut in half and nothing is
 joined or replaced before the interrupt is re-raised); ``worker_states()``
 while a worker's output is full (results are read by the supervisor, not

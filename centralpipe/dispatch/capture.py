@@ -67,7 +67,7 @@ class Capturable(Protocol):
     def stamped_nodes(self) -> list[CentralNode[Any]]: ...
     def delivered_in_current(self) -> int: ...
     def split_current(self, chunk: Chunk) -> tuple[int, int, int]: ...
-    def _stamp_now(self) -> Any: ...
+    def stamp_now(self) -> Any: ...
 
 
 class Capture:
@@ -142,7 +142,7 @@ class Capture:
             if first and s.pulls.skip_first[0] == first_seq:
                 skip_outputs = s.pulls.skip_first[1]
         if s.finished:
-            delivered_stamp = s._stamp_now()
+            delivered_stamp = s.stamp_now()
         if s.pulls.resume:
             parts.append(pack_part(plain))
         entry = entry_wire(
@@ -169,7 +169,7 @@ class Capture:
         consumes this stream (a parallel stage's stream, in the central chain)."""
         s = self.stream
         if s.finished:
-            return s._stamp_now()
+            return s.stamp_now()
         chunk = s.current
         if chunk is not None and chunk.stamps:
             _, _, last = s.split_current(chunk)

@@ -78,8 +78,8 @@ class Holding:
         self.lock = lock
         self.what = what
         self.nodes = nodes
-        #: An object whose ``_readers`` counts the threads waiting for the
-        #: lock (under its ``_readers_lock``): the central thread yields to them.
+        #: An object whose ``waiting_readers`` counts the threads waiting for the
+        #: lock (under its ``readers_lock``): the central thread yields to them.
         self.readers = readers
 
     def __enter__(self) -> None:
@@ -88,8 +88,8 @@ class Holding:
         counted = False
         try:
             if readers is not None:
-                with readers._readers_lock:
-                    readers._readers += 1
+                with readers.readers_lock:
+                    readers.waiting_readers += 1
                     counted = True
             got = lock.acquire(True, config.CENTRAL_WAIT_S)
         except BaseException:
@@ -102,8 +102,8 @@ class Holding:
             raise
         finally:
             if counted:
-                with readers._readers_lock:
-                    readers._readers -= 1
+                with readers.readers_lock:
+                    readers.waiting_readers -= 1
         if not got:
             raise TimeoutError(_busy_text(self.what, self.nodes, time.monotonic() - started))
 

@@ -157,7 +157,7 @@ def _keep(s: Stream, chunk: Chunk, counted: list[int]) -> None:
     stamps = chunk.stamps
     try:
         if stamps is not None and len(stamps) < len(chunk.items):
-            stamps.append(s._stamp_now())
+            stamps.append(s.stamp_now())
     finally:
         with s.lock:
             n = len(chunk.items)
@@ -211,7 +211,7 @@ def _fill_range(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chu
     reader = s.ranges
     chain_lock = s.chain_lock
     while True:
-        if s._readers:
+        if s.waiting_readers:
             time.sleep(0)  # let a waiting state_dict()/query() take the lock first
         try:
             acquired = chain_lock.acquire(timeout=timeouts.POLL_S)
@@ -274,7 +274,7 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
     chain_lock = s.chain_lock
     resume = s.pulls.resume
     while True:
-        if s._readers:
+        if s.waiting_readers:
             # Lock hand-off is not fair: drop the GIL so a waiting
             # state_dict()/query() gets the lock before we take it again.
             time.sleep(0)
@@ -298,7 +298,7 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
                 if isinstance(item, LineRange):
                     break  # a chunk of its own, next
                 if stamps is not None and stamp is None:
-                    stamp = s._stamp_now()
+                    stamp = s.stamp_now()
                 poison = seq in s.pulls.skip
                 first = s.pulls.skip_first
                 skip_first = first[1] if seq == first[0] else None
@@ -329,7 +329,7 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
                             # where a Ctrl-C could drop it.
                             one(items, 1)
                             if stamps is not None:
-                                stamps.append(s._stamp_now())
+                                stamps.append(s.stamp_now())
                     if time.perf_counter() > slice_end or s.stopping:
                         break
             except StopIteration:
@@ -340,7 +340,7 @@ def _fill(s: Stream, chunk: Chunk, target: int, counted: list[int]) -> Chunk | N
                 if stamps is not None and len(stamps) < len(items):
                     # Raised between the pull and its stamp: no stage has
                     # moved since, so the stamp now is that item's.
-                    stamps.append(s._stamp_now())
+                    stamps.append(s.stamp_now())
             added = len(items) - before
             now = time.perf_counter()
             if added:

@@ -201,8 +201,8 @@ class Stream:
         self.broken = False
         self.stopping = False
         self.cost_per_item = 0.0
-        self._readers = 0
-        self._readers_lock = threading.Lock()  # += on an int is not atomic
+        self.waiting_readers = 0
+        self.readers_lock = threading.Lock()  # += on an int is not atomic
         self._stamped = stamper.stamped
         #: The reader whose lines this stream pulls as ranges that workers
         #: read (``ReadLines.take_range``), or ``None``; set by the run.
@@ -299,7 +299,7 @@ class Stream:
 
     # -- stamps ----------------------------------------------------------------
 
-    def _stamp_now(self) -> Any:
+    def stamp_now(self) -> Any:
         return self.stamper()
 
     def rng_key(self, chunk: Chunk) -> tuple[int, int]:

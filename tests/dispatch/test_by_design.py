@@ -107,17 +107,17 @@ def test_the_reader_count_changes_only_under_its_lock(monkeypatch: pytest.Monkey
         return int(self.__dict__.get("_readers_value", 0))
 
     def set_(self: Stream, value: int) -> None:
-        lock = self.__dict__.get("_readers_lock")
+        lock = self.__dict__.get("readers_lock")
         writes.append(isinstance(lock, OwnedLock) and lock.owner == threading.get_ident())
         self.__dict__["_readers_value"] = value
 
-    monkeypatch.setattr(Stream, "_readers", property(get, set_), raising=False)
+    monkeypatch.setattr(Stream, "waiting_readers", property(get, set_), raising=False)
     pipe = cp.Pipeline.from_iterable(range(50)).count("c").dispatch().map(_times2)
     with cp.Loader(pipe, loader_config(num_workers=2)) as loader:
         it = iter(loader)
         next(it)
         stream = loader._central._res.run.stream  # type: ignore[union-attr]
-        stream._readers_lock = OwnedLock()  # type: ignore[assignment]
+        stream.readers_lock = OwnedLock()  # type: ignore[assignment]
         writes.clear()
         threads = [threading.Thread(target=lambda: loader.query("c")) for _ in range(8)]
         for t in threads:
@@ -125,7 +125,7 @@ def test_the_reader_count_changes_only_under_its_lock(monkeypatch: pytest.Monkey
         for t in threads:
             t.join(30)
         assert writes and all(writes)
-        assert stream._readers == 0
+        assert stream.waiting_readers == 0
         assert list(it) == [2 * i for i in range(1, 50)]
 
 

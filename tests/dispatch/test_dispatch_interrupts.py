@@ -197,7 +197,7 @@ def test_ctrl_c_at_the_stamp_of_a_pulled_item(
     its chunk with the right stamp (delivered counts stay exact)."""
 
     def patch() -> None:
-        monkeypatch.setattr(Stream, "_stamp_now", _once_at(Stream._stamp_now, nth))
+        monkeypatch.setattr(Stream, "stamp_now", _once_at(Stream.stamp_now, nth))
 
     expected = [2 * i for i in range(N)]
     calls = Calls()

@@ -75,7 +75,7 @@ def test_output_is_identical_for_any_worker_count() -> None:
 def test_resume_exact_across_worker_counts(before: int, after: int) -> None:
     """Checkpoint at every k with one worker count, resume with another: exact."""
     pipe = (
-        cp.Pipeline.from_iterable(range(60))
+        cp.Pipeline.from_iterable(range(30))
         .shuffle(8)
         .count("seen")
         .dispatch()

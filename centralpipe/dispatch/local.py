@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from centralpipe import checkpoint, metrics
 from centralpipe.checkpoint import resume
+from centralpipe.checkpoint.model import Captured
 from centralpipe.checkpoint.resume import Pending
 from centralpipe.config import LoaderConfig
 from centralpipe.dispatch.chainlock import hold
@@ -176,13 +177,7 @@ class LocalCentral:
 
     def _make_run(self, *, epoch: int, ckpt: checkpoint.Checkpoint | None) -> Run:
         w = self._config.workers
-        policy = Policy(
-            timeout_s=w.timeout_s,
-            max_restarts=w.max_restarts,
-            item_retries=w.item_retries,
-            on_error=w.on_error,
-            buffer_bytes=w.buffer_bytes,
-        )
+        policy = Policy.of(w)
         pooled = self._pooled()
         warm = self._warm_start() if pooled else None
         executor = self._ensure_pool() if pooled and warm is None else None
@@ -351,6 +346,10 @@ class LocalCentral:
             with hold(self._res.chain_lock, what, self._nodes):
                 body = resume.idle([n.name for n in self._segments], self._nodes)
             epoch = self.epoch
+        return self._assemble(body, epoch)
+
+    def _assemble(self, body: Captured, epoch: int) -> dict[str, Any]:
+        """The checkpoint of ``body``, captured at ``epoch``, for this Loader."""
         dist = self._config.distributed
         return resume.assemble(
             body,

@@ -71,17 +71,7 @@ class RankCentral(LocalCentral):
         # already, their seq numbers not yet counted.
         body.count_seqs()
         body.extend(items, stamps)
-        dist = self._config.distributed
-        return resume.assemble(
-            body,
-            fingerprint=self._pipe.fingerprint(),
-            seed=self._config.seed,
-            epoch=epoch,
-            rank=dist.rank,
-            world_size=dist.world_size,
-            boundary=self._boundary,
-            stamped=self._stamped,
-        )
+        return self._assemble(body, epoch)
 
     def worker_pids(self) -> list[int]:
         """This rank's workers, then the node-wide pool of the shared parallel stages."""

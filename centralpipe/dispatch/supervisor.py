@@ -53,6 +53,17 @@ class Policy:
         self.on_error = on_error
         self.buffer_bytes = buffer_bytes
 
+    @classmethod
+    def of(cls, workers: Any) -> Policy:
+        """The policy of a ``WorkerConfig``."""
+        return cls(
+            timeout_s=workers.timeout_s,
+            max_restarts=workers.max_restarts,
+            item_retries=workers.item_retries,
+            on_error=workers.on_error,
+            buffer_bytes=workers.buffer_bytes,
+        )
+
 
 class Supervisor:
     """One run over the executor; see the module docstring.

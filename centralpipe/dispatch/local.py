@@ -419,7 +419,11 @@ class LocalCentral:
 
     def query(self, name: str, *, delivered: bool = False) -> dict[str, Any]:
         """A copy of central stage ``name``'s live state; with ``delivered=True``
-        (``count`` stages) its totals as of the last item the consumer received."""
+        (``count`` stages) its totals as of the last item the consumer received.
+
+        A live query of a ``count`` is its last published ``(items, weight)``
+        (:meth:`~centralpipe.stages.base.CentralNode.live_view`), read without
+        the chain lock; other stages' wait for the ``next()`` in progress."""
         node = self._by_name.get(name)
         if node is None:
             known = ", ".join(repr(n) for n in self._by_name)
@@ -453,6 +457,9 @@ class LocalCentral:
                 return node.query_state()
             items, weight = stamp[stamped.index(node)]
             return {"items": items, "weight": weight}
+        view = node.live_view()
+        if view is not None:  # the stage's last published snapshot: no lock
+            return view
         what = f"query({name!r})"
         if run is not None:
             with run.reading(what):

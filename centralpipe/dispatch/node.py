@@ -395,7 +395,7 @@ class NodeStream:
         """The ``count`` totals the item just out of the shared stages leaves
         with (through a parallel stage, as ``central="process"`` stamps it)."""
         if not self.segments.segments:
-            return tuple((c.items, c.weight) for c in self.counts)
+            return tuple(c.snapshot for c in self.counts)
         return tuple(tuple(x) for x in self.segments.stamper() or ())
 
     def exchange_load(

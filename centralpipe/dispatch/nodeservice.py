@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -147,6 +148,7 @@ def serve_node(
 ) -> None:
     """Entry point of the node service (a ``multiprocessing.Process`` target)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.setswitchinterval(timeouts.SERVICE_SWITCH_INTERVAL_S)
     pids = [owner_pid] * local_world
     connected = threading.Event()
     threading.Thread(

@@ -38,6 +38,7 @@ import contextlib
 import io
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -85,6 +86,7 @@ def serve(
 ) -> None:
     """Entry point of the service process (a ``multiprocessing.Process`` target)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.setswitchinterval(timeouts.SERVICE_SWITCH_INTERVAL_S)
     threading.Thread(
         target=_watchdog,
         args=(client_pid, os.getppid()),

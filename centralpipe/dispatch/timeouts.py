@@ -30,6 +30,7 @@ __all__ = [
     "ROOM_WAIT_S",
     "SERVICE_CLOSE_TIMEOUT_S",
     "SERVICE_POLL_S",
+    "SERVICE_SWITCH_INTERVAL_S",
     "SERVICE_WATCHDOG_S",
     "STALL_TIMEOUT_S",
     "STARTUP_GRACE_S",
@@ -124,6 +125,13 @@ START_TIMEOUT_S = 120.0
 SERVICE_CLOSE_TIMEOUT_S = 10.0
 #: How often the client's waits re-check that the service lives.
 SERVICE_POLL_S = 0.5
+#: The service process's GIL switch interval (``sys.setswitchinterval``;
+#: Python's default is 5 ms). A request thread woken by a ``query()`` or
+#: ``metrics()`` waits for the GIL while the feeder runs the central chain,
+#: and a running thread is asked to let go only after this long: at 5 ms
+#: every read took milliseconds. Threads that run without a waiter are not
+#: interrupted, so a short interval costs only where a reply is waiting.
+SERVICE_SWITCH_INTERVAL_S = 0.0002
 #: How long the service waits for its client(s) to connect.
 ACCEPT_TIMEOUT_S = 60.0
 #: How often the service's watchdog checks that its client lives.

@@ -3,7 +3,8 @@
 A central stage owns a ``source`` node. Its state, as torchdata expects, is its
 own fields plus ``{SOURCE_KEY: source.state_dict()}``; ``own_state()`` is the
 part without the source, which the Loader stores per stage name and which
-``query()`` reads. Subclasses write ``produce()`` (the next item, or
+``query()`` reads (under the chain lock, unless the stage publishes a
+:meth:`~CentralNode.live_view`). Subclasses write ``produce()`` (the next item, or
 ``StopIteration``), ``own_state()`` and ``restore(state | None)``, and declare
 ``State``, the attrs class of their state, which the checkpoint model checks
 (with ``check_state()`` for what depends on the pipeline, e.g. file sizes).
@@ -324,6 +325,15 @@ class CentralNode(BaseNode[T], Generic[T]):
         """What ``Loader.query(name)`` returns: ``own_state()`` unless a stage
         holds a large buffer, in which case a summary."""
         return self.own_state()
+
+    def live_view(self) -> dict[str, Any] | None:
+        """What ``Loader.query(name)`` returns without the chain lock: a fresh
+        dict of an immutable snapshot the stage publishes with one attribute
+        store each time it changes (``count``: its ``(items, weight)``), so a
+        reader in any thread sees one moment of it and never waits for the
+        ``next()`` in progress. ``None`` (the default): the stage publishes
+        none, and its query takes the chain lock (:meth:`query_state`)."""
+        return None
 
     def release(self) -> None:
         """Close what the stage holds open (files); the next ``reset`` reopens."""

@@ -58,8 +58,18 @@ class Count(CentralNode[Any]):
     ) -> None:
         super().__init__(source, name=name, ctx=ctx)
         self._weight_fn = weight_fn
-        self.items = 0
-        self.weight: float = 0
+        #: ``(items, weight)``: the one home of the totals, replaced (one
+        #: attribute store) on each change, so a reader without the chain
+        #: lock never sees items of one moment and weight of another.
+        self.snapshot: tuple[int, float] = (0, 0)
+
+    @property
+    def items(self) -> int:
+        return self.snapshot[0]
+
+    @property
+    def weight(self) -> float:
+        return self.snapshot[1]
 
     def produce(self) -> Any:
         assert self.source is not None
@@ -68,37 +78,46 @@ class Count(CentralNode[Any]):
             pull_one(self.source, held)
         item = held[-1]
         del held[-1]
+        items, weight = self.snapshot
         if self._weight_fn is None:
-            self.weight += 1
-        else:
-            try:
-                w = self._weight_fn(item)
-                # Fast path: an int, or a finite float (inf - inf and nan - nan are nan).
-                if type(w) is not int and not (type(w) is float and w - w == 0.0):
-                    w = as_weight(w, self.name, self.items)
-                self.weight += w
-            except BaseException as exc:
-                if not isinstance(exc, Exception):  # interrupted: counted by the next call
-                    held.append(item)
-                raise
-        self.items += 1
+            self.snapshot = (items + 1, weight + 1)
+            return item
+        try:
+            w = self._weight_fn(item)
+            # Fast path: an int, or a finite float (inf - inf and nan - nan are nan).
+            if type(w) is not int and not (type(w) is float and w - w == 0.0):
+                w = as_weight(w, self.name, items)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # interrupted: counted by the next call
+                held.append(item)
+            raise
+        self.snapshot = (items + 1, weight + w)
         return item
 
     def max_items_out(self, state: CountState, bound_in: int | None) -> int | None:
         return state.items
 
     def totals(self) -> tuple[int, float]:
-        return (self.items, self.weight)
+        return self.snapshot
 
     def own_state(self) -> dict[str, Any]:
-        return self.with_held({ITEMS_KEY: self.items, WEIGHT_KEY: self.weight})
+        items, weight = self.snapshot
+        return self.with_held({ITEMS_KEY: items, WEIGHT_KEY: weight})
 
     def query_state(self) -> dict[str, Any]:
-        return {ITEMS_KEY: self.items, WEIGHT_KEY: self.weight}
+        items, weight = self.snapshot
+        return {ITEMS_KEY: items, WEIGHT_KEY: weight}
+
+    def live_view(self) -> dict[str, Any]:
+        # One read of the tuple the chain last published (see ``snapshot``).
+        items, weight = self.snapshot
+        return {ITEMS_KEY: items, WEIGHT_KEY: weight}
 
     def restore(self, state: dict[str, Any] | None) -> None:
-        self.items = 0 if state is None else int(state[ITEMS_KEY])
-        self.weight = 0 if state is None else state[WEIGHT_KEY]
+        if state is None:
+            self.snapshot = (0, 0)
+        else:
+            self.snapshot = (int(state[ITEMS_KEY]), state[WEIGHT_KEY])
         self.restore_held(state)
 
     def check_state(self, state: CountState, states: Any) -> None:

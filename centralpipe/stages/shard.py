@@ -25,8 +25,9 @@ keep theirs in ``round_stamps``, and :meth:`stamp` gives the emitted item's.
 
 Interrupts: between taking an item from the source and keeping it (in the
 round, or by returning it) the shard calls no Python function (the live
-counts are read by ``operator.attrgetter``), so an interrupt (Ctrl-C) in a
-nested ``next()`` or at any call of its own finds the state whole.
+counts' ``snapshot`` tuples are read by ``operator.attrgetter``), so an
+interrupt (Ctrl-C) in a nested ``next()`` or at any call of its own finds the
+state whole.
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ SOURCE_INDEX_KEY = "source_index"
 DROP_KEY = "drop"
 
 Stamp = tuple[tuple[int, float], ...]
-#: A count's totals, read in C: no function call, so no point for an interrupt.
-_TOTALS = operator.attrgetter("items", "weight")
+#: A count's totals, read in C: no function call, so no point for an interrupt
+#: (its ``snapshot``, one attribute: a property would be a Python call).
+_TOTALS = operator.attrgetter("snapshot")
 
 _INDEX = checked(FieldError, "an int >= 0", int_in(0, 2**63))
 _LIST = checked(FieldError, "a list", sequence_of())
@@ -242,8 +244,7 @@ class Shard(CentralNode[Any]):
         """The ``k``-th preceding count's totals as of the last consumed item."""
         if self.arrival is not None:
             return self.arrival[k]
-        c = self.counts[k]
-        return (c.items, c.weight)
+        return self.counts[k].snapshot
 
     def own_state(self) -> dict[str, Any]:
         return {

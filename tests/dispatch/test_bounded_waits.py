@@ -139,7 +139,8 @@ def _wait_for(ready: Callable[[], bool], timeout_s: float = 10.0) -> bool:
 @pytest.mark.timeout(60)
 def test_items_pulled_before_a_blocked_next_are_delivered_and_metrics_answer() -> None:
     """While the source blocks, the consumer still receives every item pulled
-    before it, and metrics() and query(delivered=True) answer at once."""
+    before it, and metrics(), query(delivered=True) and a count's live query
+    (its last published totals) answer at once."""
     src = BlockingSource()
     with cp.Loader(_pipe(src), _config()) as loader:
         it = iter(loader)
@@ -150,15 +151,17 @@ def test_items_pulled_before_a_blocked_next_are_delivered_and_metrics_answer() -
         metrics = _bounded(loader.metrics)
         assert metrics["dispatch"]["delivered"] == BLOCK_AT
         assert _bounded(lambda: loader.query("c", delivered=True))["items"] == BLOCK_AT
+        assert _bounded(lambda: loader.query("c")) == {"items": BLOCK_AT, "weight": BLOCK_AT}
         src.release.set()
         assert got + list(it) == [2 * i for i in range(N)]
 
 
 @pytest.mark.timeout(60)
 def test_readers_time_out_naming_the_blocked_stage(short_wait: Callable[[], None]) -> None:
-    """state_dict(), query() and load_state_dict() give up after CENTRAL_WAIT_S
-    with a TimeoutError naming the stage; nothing changed, and once the
-    stage returns the checkpoint resumes exactly."""
+    """state_dict(), query() of a stage without a live view and
+    load_state_dict() give up after CENTRAL_WAIT_S with a TimeoutError naming
+    the stage; nothing changed, and once the stage returns the checkpoint
+    resumes exactly."""
     src = BlockingSource()
     expected = [2 * i for i in range(N)]
     with cp.Loader(_pipe(src), _config()) as loader:
@@ -166,7 +169,7 @@ def test_readers_time_out_naming_the_blocked_stage(short_wait: Callable[[], None
         it = iter(loader)
         got = [next(it) for _ in range(10)]
         assert src.blocked.wait(RELEASE_S)
-        for call in (loader.state_dict, lambda: loader.query("c"), lambda: loader.query("src")):
+        for call in (loader.state_dict, lambda: loader.query("src")):
             with pytest.raises(TimeoutError, match=r"central stage 'src' has not returned"):
                 _bounded(call)
         with pytest.raises(TimeoutError, match="load_state_dict"):
@@ -232,7 +235,8 @@ def test_readers_waiting_for_a_parallel_stage_time_out_naming_it(
     short_wait: Callable[[], None],
 ) -> None:
     """A parallel stage waiting for a hung worker: state_dict() and query()
-    raise TimeoutError naming it after the bound; close() does not wait."""
+    of a stage without a live view raise TimeoutError naming it after the
+    bound (a count's live query answers at once); close() does not wait."""
     gate = Gate(at=10)
     pipe = (
         cp.Pipeline.from_iterable(range(N))
@@ -251,7 +255,8 @@ def test_readers_waiting_for_a_parallel_stage_time_out_naming_it(
         with pytest.raises(TimeoutError, match="parallel stage 'tok' is still waiting"):
             _bounded(loader.state_dict)
         with pytest.raises(TimeoutError, match="'tok'"):
-            _bounded(lambda: loader.query("c"))
+            _bounded(lambda: loader.query("tok"))
+        assert _bounded(lambda: loader.query("c"))["items"] == 10
         short_wait()
         gate.release.set()
         sd = loader.state_dict()

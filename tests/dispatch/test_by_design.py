@@ -112,14 +112,15 @@ def test_the_reader_count_changes_only_under_its_lock(monkeypatch: pytest.Monkey
         self.__dict__["_readers_value"] = value
 
     monkeypatch.setattr(Stream, "waiting_readers", property(get, set_), raising=False)
-    pipe = cp.Pipeline.from_iterable(range(50)).count("c").dispatch().map(_times2)
+    # A source's query waits for the chain lock (a count's reads its live view).
+    pipe = cp.Pipeline.from_iterable(range(50), name="src").count("c").dispatch().map(_times2)
     with cp.Loader(pipe, loader_config(num_workers=2)) as loader:
         it = iter(loader)
         next(it)
         stream = loader._central._res.run.stream  # type: ignore[union-attr]
         stream.readers_lock = OwnedLock()  # type: ignore[assignment]
         writes.clear()
-        threads = [threading.Thread(target=lambda: loader.query("c")) for _ in range(8)]
+        threads = [threading.Thread(target=lambda: loader.query("src")) for _ in range(8)]
         for t in threads:
             t.start()
         for t in threads:

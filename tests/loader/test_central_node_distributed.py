@@ -71,6 +71,22 @@ def test_a_rank_resumes_exactly_across_modes(ranks: list[dict[str, Any]], pair: 
         assert result["head"][saved] + result["resumed"][pair] == result["full"]["process"][0]
 
 
+def test_every_rank_queries_in_node_mode(ranks: list[dict[str, Any]]) -> None:
+    """Mid-epoch, each local rank's ``query()`` and ``metrics()`` answer in
+    ``"node"``: the count's delivered totals equal ``"process"``'s, its live
+    totals (the shared count's last snapshot) are at least those and at most
+    the epoch's, and a source's query and ``metrics()`` have the same keys."""
+    for result in ranks:
+        node, process = result["queries"]["node"], result["queries"]["process"]
+        assert node["delivered"] == process["delivered"]
+        assert node["delivered"]["items"] >= STEP
+        live = node["live"]
+        assert node["delivered"]["items"] <= live["items"] <= N
+        assert live["weight"] == live["items"]
+        assert node["source"] == process["source"]
+        assert node["metrics"] == process["metrics"]
+
+
 def test_node_states_merge_like_process_states(ranks: list[dict[str, Any]]) -> None:
     """The ranks' node-mode states merge (``merge_states``) into a state that
     resumes on one rank with exactly what the process-mode states' merge gives:

@@ -5,7 +5,8 @@ Usage: ``torchrun --nproc_per_node=2 ... tests/scripts/dist_node.py OUT_DIR``
 Both local ranks share one ``central="node"`` service per Loader. Each rank
 writes ``OUT_DIR/rank<r>.json``: its whole shard in ``process`` and ``node``
 mode, the rest of the epoch resumed in each mode from a state taken after
-``STEP`` items in each mode (and from the ``gather_states`` global state of
+``STEP`` items in each mode (and what ``query()`` and ``metrics()`` answered
+then; and from the ``gather_states`` global state of
 each mode, in node mode), the ranks' merged states resumed on one rank,
 and the errors each rank saw when the service was killed, when the other
 local rank's client was killed, and when the other local rank stopped
@@ -62,7 +63,7 @@ def _error(fn: Any) -> str:
 def run_rank() -> dict[str, Any]:
     pipe = make_pipe()
     rank = dist.get_rank()
-    result: dict[str, Any] = {"full": {}, "head": {}, "resumed": {}, "merged": {}}
+    result: dict[str, Any] = {"full": {}, "head": {}, "resumed": {}, "merged": {}, "queries": {}}
     states: dict[str, Any] = {}
     for mode in MODES:
         with cp.Loader(pipe, config(mode)) as loader:
@@ -75,6 +76,12 @@ def run_rank() -> dict[str, Any]:
         with cp.Loader(pipe, config(mode)) as loader:
             it = iter(loader)
             result["head"][mode] = [next(it) for _ in range(STEP)]
+            result["queries"][mode] = {
+                "live": loader.query("pre_shard"),
+                "delivered": loader.query("pre_shard", delivered=True),
+                "source": sorted(loader.query("source")),
+                "metrics": sorted(loader.metrics()),
+            }
             states[mode] = loader.state_dict()
             gathered_state = cp.gather_states(loader)
         with cp.Loader(pipe, config("node")) as loader:  # every local rank loads the same

@@ -15,8 +15,11 @@ What needs the chain lock, and the bound:
   progress; they wait at most :data:`centralpipe.config.CENTRAL_WAIT_S`, then raise
   ``TimeoutError`` naming the stage that is inside ``next()`` (never an inexact
   state).
-- ``close()``, ``metrics()`` and stopping a run never wait for it: they only
-  take the short bookkeeping locks of the streams.
+- ``close()``, ``metrics()``, ``query(delivered=True)`` and stopping a run
+  never wait for it: they only take the short bookkeeping locks of the
+  streams. Nor does the live ``query()`` of a stage that publishes a
+  :meth:`~centralpipe.stages.base.CentralNode.live_view` (a ``count``: its
+  last ``(items, weight)``, one immutable tuple).
 """
 
 from __future__ import annotations

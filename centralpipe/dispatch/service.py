@@ -30,6 +30,10 @@ surface as ``LocalCentral``: each call is one request and one reply.
 - **Threads**: requests take turns on the first connection; ``metrics()`` and
   ``worker_pids()``, which never wait in any mode, go on a second one that a
   thread of the service answers, so they are not queued behind a ``next()``.
+  The service's GIL switch interval is
+  :data:`~centralpipe.dispatch.timeouts.SERVICE_SWITCH_INTERVAL_S` (0.2 ms,
+  not Python's 5 ms), so a thread woken by a request does not wait
+  milliseconds for the GIL while the feeder runs the central chain.
 """
 
 from __future__ import annotations

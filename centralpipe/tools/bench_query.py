@@ -42,7 +42,9 @@ HEADER = (
 
 
 def summary(samples_ms: list[float]) -> tuple[float, float, float, float]:
-    """``(mean, p50, p90, max)`` of ``samples_ms``."""
+    """``(mean, p50, p90, max)`` of ``samples_ms`` (``ValueError`` if empty)."""
+    if not samples_ms:
+        raise ValueError("no samples: the epoch ended before the first batch was timed.")
     ordered = sorted(samples_ms)
     p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
     return statistics.fmean(ordered), statistics.median(ordered), p90, ordered[-1]

@@ -174,7 +174,7 @@ class WorkerConfig:
             array is pickled on its own (same items, same checkpoints).
         fuse_parallel: on by default: consecutive ``parallel=True`` stages
             with nothing central between them (maps and filters; a
-            ``flat_map`` only as the last one) are one *segment*: one round
+            ``flat_map`` keeps its own stream) are one *segment*: one round
             trip to a worker that runs their functions in turn, instead of
             one per stage. A stage with ``with_rng=True`` starts a new
             segment. Output, errors, queries and checkpoints (still one

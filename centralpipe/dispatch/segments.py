@@ -13,9 +13,12 @@ state saved fused resumes unfused as it is. A state saved unfused whose later
 stages have inputs in flight resumes that pass unfused (the next pass fuses
 again): the pass's output is the same either way.
 
-What is fused: maps and filters; a ``flat_map`` only as a segment's last
-stage. A stage with ``with_rng=True`` starts a new segment, as its random
-stream is keyed by the seq of its own inputs.
+What is fused: maps and filters (at most one output per input). A
+``flat_map`` keeps its own stream: an input whose outputs were delivered in
+part is in the checkpoint as the flat_map's input with the outputs to skip,
+a value that a fused segment never has in the main process. A stage with
+``with_rng=True`` starts a new segment, as its random stream is keyed by the
+seq of its own inputs.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ def _joins(prev: Parallel, node: Parallel) -> bool:
     return (
         node.source is prev
         and prev.item_kind.outputs != "any"
+        and node.item_kind.outputs != "any"
         and not node.spec.item_options.with_rng
     )
 

@@ -46,3 +46,9 @@ def fail_on_7(x: int) -> int:
 
 def annotate(x: Any) -> Any:
     return (x,)
+
+
+def rng_draw(x: int, rng: Any) -> tuple[int, int]:
+    import torch
+
+    return x, int(torch.randint(0, 1 << 30, (1,), generator=rng))

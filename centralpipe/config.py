@@ -172,6 +172,14 @@ class WorkerConfig:
             pickle per array; each item arrives as a view of that buffer,
             with the same type, dtype, values and writability. Off: every
             array is pickled on its own (same items, same checkpoints).
+        fuse_parallel: on by default: consecutive ``parallel=True`` stages
+            with nothing central between them (maps and filters; a
+            ``flat_map`` keeps its own stream) are one *segment*: one round
+            trip to a worker that runs their functions in turn, instead of
+            one per stage. A stage with ``with_rng=True`` starts a new
+            segment. Output, errors, queries and checkpoints (still one
+            entry per stage) are the same either way, and a checkpoint
+            resumes with it on or off. ``False``: one stream per stage.
     """
 
     num_workers: int = attrs.field(default=0, validator=_int(0))
@@ -196,6 +204,7 @@ class WorkerConfig:
     start_inline: bool = attrs.field(default=False, validator=_instance(bool))
     read_in_workers: bool = attrs.field(default=True, validator=_instance(bool))
     flat_arrays: bool = attrs.field(default=True, validator=_instance(bool))
+    fuse_parallel: bool = attrs.field(default=True, validator=_instance(bool))
 
     def resolved_start_method(self) -> str:
         """The start method workers use: the configured one or the default."""

@@ -31,6 +31,7 @@ Main process, one pass of the Loader:
 - ``nodeservice`` the node's service process and its clients (local rank 0
   starts it; the token file for the others).
 - ``run``  assembling a run of every stream (``Run``).
+- ``segments``  consecutive parallel stages fused into one stream (``Segment``).
 - ``warm``      the inline warm start: the first chunks run in the main process
   while the workers start.
 - ``pull``      pulling a chunk from the central chain into a stream.

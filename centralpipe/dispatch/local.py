@@ -29,6 +29,7 @@ from centralpipe.dispatch.executors.threadpool import ThreadPool
 from centralpipe.dispatch.pinning import make_pinner
 from centralpipe.dispatch.reorder import StreamStats
 from centralpipe.dispatch.run import Policy, Run, WarmStart, idle_worker_states
+from centralpipe.dispatch.segments import plan_segments
 from centralpipe.dispatch.worker.chain import WorkerChain
 from centralpipe.dispatch.worker.loop import WorkerSpec
 from centralpipe.lifetime import Resources
@@ -73,6 +74,13 @@ class LocalCentral:
         self._chain = WorkerChain(pipeline.worker_stages, config.seed, flat)
         self._segments = [n for n in self._driven_nodes() if isinstance(n, Parallel)]
         self._segment_chains = [WorkerChain([n.spec], config.seed, flat) for n in self._segments]
+        # Worker chains: one per parallel stage, the dispatch boundary's,
+        # then one per fused segment (``dispatch.segments``).
+        self._fused = (
+            plan_segments(self._segments, config.seed, flat, len(self._segments) + 1)
+            if config.workers.fuse_parallel
+            else []
+        )
         self._check_picklable()
         self.epoch = 0
         self._stats = StreamStats(config.workers.num_workers)
@@ -201,6 +209,7 @@ class LocalCentral:
             chain_lock=self._res.chain_lock,
             warm=warm,
             read_in_workers=w.read_in_workers,
+            fused=self._fused,
         )
 
     def _warm_start(self) -> WarmStart | None:
@@ -262,7 +271,8 @@ class LocalCentral:
 
     def _new_pool(self) -> Executor:
         w = self._config.workers
-        spec = WorkerSpec([*self._segment_chains, self._chain], os.getpid())
+        chains = [*self._segment_chains, self._chain, *(f.chain for f in self._fused)]
+        spec = WorkerSpec(chains, os.getpid())
         if w.executor == "thread":
             return ThreadPool(w.num_workers, spec)
         method = w.resolved_start_method()

@@ -16,9 +16,10 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from centralpipe.checkpoint.model import Captured, Checkpoint, stamp_tuple
+from centralpipe.checkpoint.model import Captured, Checkpoint, entry_wire, stamp_tuple
 from centralpipe.dispatch.executors.pool import Executor
 from centralpipe.dispatch.reorder import Driver, Stamper, Stream, StreamStats
+from centralpipe.dispatch.segments import Segment, unfused_for
 from centralpipe.dispatch.sender import FeederDriver, InlineDriver, SegmentDriver
 from centralpipe.dispatch.supervisor import Policy, Supervisor
 from centralpipe.dispatch.warm import WarmDriver, WarmStart
@@ -51,6 +52,7 @@ class Run:
         chain_lock: threading.RLock | None = None,
         warm: WarmStart | None = None,
         read_in_workers: bool = True,
+        fused: Sequence[Segment] = (),
     ) -> None:
         self.nodes = list(nodes)
         self._read_in_workers = read_in_workers
@@ -70,26 +72,39 @@ class Run:
             "parallelism": parallelism,
         }
         self.segment_streams: list[Stream] = []
+        #: Each parallel stream and the stages it runs (two or more: a fused
+        #: segment, ``dispatch.segments``), in chain order.
+        self.owners: list[tuple[list[Parallel], Stream]] = []
+        fused = [f for f in fused if not unfused_for(f, self.segments, resume)]
+        lead = {f.members[0]: f for f in fused}
+        inside = {i for f in fused for i in f.members[1:]}
         for i, (node, seg_chain) in enumerate(zip(self.segments, segment_chains)):
+            if i in inside:
+                continue
+            segment = lead.get(i)
+            members = [node] if segment is None else [self.segments[j] for j in segment.members]
             assert isinstance(node.source, CentralNode)
-            node.stamper = Stamper(node.source.chain())
+            stamper = Stamper(node.source.chain())
+            for member in members:
+                member.stamper = stamper
             entry = None if resume is None else resume.in_flight[node.name]
             stream = Stream(
                 tip=node.source,
-                stamper=node.stamper,
-                chain=seg_chain,
+                stamper=stamper,
+                chain=seg_chain if segment is None else segment.chain,
                 next_seq=0 if entry is None else entry.next_seq,
                 resume=entry,
                 delivered_stamp=None if entry is None else stamp_tuple(entry.delivered_stamp),
                 stats=segment_stats[node.name],
                 dispatch_name=node.name,
-                stream_id=i,
+                stream_id=i if segment is None else segment.chain_id,
                 **common,
             )
             # While the workers start (a warm run), parallel stages run inline
             # through the workers' serialisation, as the dispatch stream does.
             stream.driver = InlineDriver(stream, as_worker=warm is not None)
             self.segment_streams.append(stream)
+            self.owners.append((members, stream))
         # The dispatch boundary's stamp as of its last output is the
         # checkpoint's top-level one.
         # A run with no dispatch entry in ``resume`` (the node's shared run:
@@ -180,8 +195,8 @@ class Run:
         The owner keeps the run before calling it: an error or Ctrl-C at any
         point in here leaves threads that :meth:`stop` ends, and stopped
         streams pull nothing more."""
-        for node, stream in zip(self.segments, self.segment_streams):
-            node.attach(stream)
+        for members, stream in self.owners:
+            members[-1].attach(stream)
         if self.session is not None:
             self.session.start()
         if self.feeder is not None:
@@ -210,10 +225,9 @@ class Run:
         with self.stream.reading(what), self.stream.lock:
             body = self.stream.capture_unlocked()
             body.central = {node.name: node.own_state() for node in self.nodes}
-            body.segments = {
-                node.name: stream.capture_unlocked().entry
-                for node, stream in zip(self.segments, self.segment_streams)
-            }
+            body.segments = {}
+            for members, stream in self.owners:
+                body.segments.update(_member_entries(members, stream.capture_unlocked().entry))
         return body
 
     def delivered_stamp(self) -> Any:
@@ -239,7 +253,11 @@ class Run:
         return configured if self.session is None else self.session.held.limit
 
     def segment_in_flight(self) -> dict[str, int]:
-        return {n.name: s.in_flight for n, s in zip(self.segments, self.segment_streams)}
+        return {
+            node.name: stream.in_flight if k == 0 else 0
+            for members, stream in self.owners
+            for k, node in enumerate(members)
+        }
 
     def worker_states(self) -> list[Any] | None:
         """Each worker's stateful-stage states (``None`` without workers)."""
@@ -274,6 +292,24 @@ class Run:
         for stream in streams:
             stream.stop()
         self.stop_session()
+
+
+def _member_entries(members: Sequence[Parallel], entry: dict[str, Any]) -> dict[str, Any]:
+    """Each stage's in-flight entry of a stream over ``members``: the
+    stream's inputs are the first stage's; a later stage of a fused segment
+    has nothing in flight, its next input the first one not delivered."""
+    out = {members[0].name: entry}
+    for node in members[1:]:
+        out[node.name] = entry_wire(
+            next_seq=entry["first_seq"],
+            first_seq=entry["first_seq"],
+            items=[],
+            stamps=None if entry["stamps"] is None else [],
+            skip_outputs=0,
+            skip=[],
+            delivered_stamp=entry.get("delivered_stamp"),
+        )
+    return out
 
 
 def _range_reader(stream: Stream) -> Any:

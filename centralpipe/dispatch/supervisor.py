@@ -162,12 +162,20 @@ class Supervisor:
             return frozenset()
         return self.held.paused(self.executor.slots)
 
+    def _stream(self, stream_id: int) -> Stream | None:
+        """The run's stream of id ``stream_id`` (a fused segment's id is
+        past the dispatch stream's: ``dispatch.segments``)."""
+        for stream in self.streams:
+            if stream.stream_id == stream_id:
+                return stream
+        return None
+
     def _handle(self, slot: Slot, msg: Any, nbytes: int = 0) -> None:
         if msg[0] == MSG_RESULT:
             _, run_id, stream_id, cid, result = msg
-            if run_id != self.run_id or not 0 <= stream_id < len(self.streams):
+            stream = self._stream(stream_id)
+            if run_id != self.run_id or stream is None:
                 return
-            stream = self.streams[stream_id]
             chunk = stream.by_cid.get(cid)
             if chunk is None or chunk.result is not None:
                 return
@@ -237,9 +245,9 @@ class Supervisor:
         if busy is None:
             return None
         stream_id, seq, stage_index, _ = busy
-        if not 0 <= stream_id < len(self.streams):
+        stream = self._stream(stream_id)
+        if stream is None:
             return None
-        stream = self.streams[stream_id]
         for chunk in list(stream.pending):
             if chunk.first_seq <= seq < chunk.first_seq + len(chunk.items):
                 specs = stream.chain.specs

@@ -1,4 +1,5 @@
-"""Fixtures shared by every test: leak checks and a small text corpus."""
+"""Fixtures shared by every test: leak checks, a small text corpus, and
+chunks that do not depend on timing (``whole_chunks``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from centralpipe.dispatch import timeouts
 from tests.support.leaks import (
     describe,
     kill_processes,
@@ -90,3 +92,15 @@ def tmp_corpus(tmp_path: Path) -> list[str]:
         path.write_bytes(data)
         paths.append(str(path))
     return sorted(paths)
+
+
+@pytest.fixture
+def whole_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks sent only when full (or the source ended), never after
+    ``timeouts.FLUSH_S``: for tests that assert what a chunk holds or what is
+    in flight. The flush sends a partly filled chunk when the central chain
+    is slow, so on a loaded machine chunk boundaries would depend on timing.
+
+    The bound is read at the moment of the wait, in the process that pulls
+    (this one; forked workers inherit it, and they never pull)."""
+    monkeypatch.setattr(timeouts, "FLUSH_S", 3600.0)

@@ -192,6 +192,7 @@ DAMAGES: dict[str, tuple[Mutation, str]] = {
 
 
 @pytest.mark.parametrize(("mutate", "match"), list(DAMAGES.values()), ids=list(DAMAGES))
+@pytest.mark.usefixtures("whole_chunks")
 def test_damaged_checkpoint_is_refused_and_changes_nothing(
     corpus: Path, mutate: Mutation, match: str
 ) -> None:

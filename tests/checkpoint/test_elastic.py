@@ -483,6 +483,7 @@ RANK_DEFECTS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("defect", RANK_DEFECTS, ids=str)
+@pytest.mark.usefixtures("whole_chunks")
 def test_merge_refuses_a_rank_state_that_loading_refuses(defect: str) -> None:
     """A defect in one rank's state is refused by merge_states as load_state_dict
     refuses it on that rank: the same words, after the rank's place and number."""

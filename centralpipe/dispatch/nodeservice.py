@@ -32,7 +32,7 @@ from typing import Any
 import attrs
 
 from centralpipe.config import DistributedConfig, LoaderConfig
-from centralpipe.dispatch import rendezvous, timeouts
+from centralpipe.dispatch import priority, rendezvous, timeouts
 from centralpipe.dispatch.client import Link, ServiceClient, shutdown
 from centralpipe.dispatch.local import LocalCentral
 from centralpipe.dispatch.node import NodeStream, check_node_pipeline
@@ -147,6 +147,7 @@ def serve_node(
     local_world: int,
 ) -> None:
     """Entry point of the node service (a ``multiprocessing.Process`` target)."""
+    priority.lower_helper()  # before its workers start: they inherit it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.setswitchinterval(timeouts.SERVICE_SWITCH_INTERVAL_S)
     pids = [owner_pid] * local_world

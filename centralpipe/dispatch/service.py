@@ -27,6 +27,10 @@ surface as ``LocalCentral``: each call is one request and one reply.
   sees the client gone; its workers notice the service gone on their own.
   Ctrl-C reaches the service too (one process group) and is ignored there: the
   client decides, as the main process does for its workers.
+- **Priority**: the service and its workers run ``priority.NICENESS`` points
+  nicer than the training process, and the service switches threads on a
+  short GIL interval (:mod:`centralpipe.dispatch.priority`): on a machine
+  with few cores the training loop's Python goes first.
 - **Threads**: requests take turns on the first connection; ``metrics()`` and
   ``worker_pids()``, which never wait in any mode, go on a second one that a
   thread of the service answers, so they are not queued behind a ``next()``.
@@ -52,7 +56,7 @@ from typing import Any
 import torch
 
 from centralpipe.config import LoaderConfig
-from centralpipe.dispatch import rendezvous, timeouts
+from centralpipe.dispatch import priority, rendezvous, timeouts
 from centralpipe.dispatch.local import LocalCentral
 from centralpipe.dispatch.wire import transport
 from centralpipe.dispatch.wire.ringwriter import RingWriter, receive_ring
@@ -89,6 +93,7 @@ def serve(
     with_ring: bool,
 ) -> None:
     """Entry point of the service process (a ``multiprocessing.Process`` target)."""
+    priority.lower_helper()  # before its workers start: they inherit it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.setswitchinterval(timeouts.SERVICE_SWITCH_INTERVAL_S)
     threading.Thread(

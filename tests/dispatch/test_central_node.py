@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import centralpipe as cp
-from centralpipe.dispatch import nodeservice
+from centralpipe.dispatch import nodeservice, priority
 from centralpipe.dispatch.worker.loop import main_alive
 from examples.token_buckets import DATA_GLOB, collate_pad, tokenize
 
@@ -302,3 +302,19 @@ def test_seed_pipeline_node_workers_end_with_close() -> None:
     while any(main_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [p for p in pids if main_alive(p)] == []
+
+
+def test_the_node_service_and_its_workers_run_nicer_than_the_rank() -> None:
+    """As with central="service": the node service and its workers run
+    ``priority.NICENESS`` points nicer; the rank's process keeps its niceness."""
+    from tests.dispatch.test_central_service import nice_of
+
+    mine = nice_of(os.getpid())
+    with cp.Loader(_pipe(), _config("node")) as loader:
+        it = iter(loader)
+        next(it)
+        helpers = [loader._central.service_pid, *loader.worker_pids()]  # type: ignore[attr-defined]
+        assert len(helpers) == 3
+        assert [nice_of(p) for p in helpers] == [min(mine + priority.NICENESS, 19)] * 3
+        assert nice_of(os.getpid()) == mine
+        list(it)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import centralpipe as cp
-from centralpipe.dispatch import rendezvous, timeouts
+from centralpipe.dispatch import priority, rendezvous, timeouts
 from centralpipe.testing import assert_resumes_exactly
 from tests.support.leaks import alive
 
@@ -126,6 +126,36 @@ def test_tensors_reach_the_client_through_the_shared_memory_ring() -> None:
         assert ring.ring_bytes >= 8 * 32 * 256 * 4 and ring.pipe_bytes == 0
         assert ring.lent_bytes == ring.ring_bytes
     assert _values(out) == [float(i) for i in range(8)]
+
+
+def nice_of(pid: int) -> int:
+    """The niceness field (the 19th) of ``/proc/<pid>/stat``."""
+    stat_line = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat_line.rpartition(")")[2].split()[16])
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_the_service_and_its_workers_run_nicer_than_the_training_process(method: str) -> None:
+    """The service and its workers run ``priority.NICENESS`` points nicer than
+    the training process (however they were started); the training process
+    keeps its own niceness, and process mode renices nothing."""
+    mine = nice_of(os.getpid())
+    config = cp.LoaderConfig(
+        workers=cp.WorkerConfig(num_workers=2, start_method=method), central="service"
+    )
+    with cp.Loader(_pipe(), config) as loader:
+        it = iter(loader)
+        assert next(it) == 2
+        service = loader._central.service_pid  # type: ignore[attr-defined]
+        workers = loader.worker_pids()
+        assert len(workers) == 2
+        expected = min(mine + priority.NICENESS, 19)
+        assert [nice_of(p) for p in [service, *workers]] == [expected] * 3
+        assert nice_of(os.getpid()) == mine
+        assert list(it) == [2] * 5
+    with cp.Loader(_pipe(), _config("process")) as loader:
+        assert list(loader) == [2] * 6
+        assert nice_of(os.getpid()) == mine
 
 
 def test_the_api_answers_the_same_in_both_modes() -> None:

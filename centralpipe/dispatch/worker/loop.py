@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from centralpipe.dispatch import timeouts
+from centralpipe.dispatch import priority, timeouts
 from centralpipe.dispatch.wire import protocol
 from centralpipe.dispatch.wire.protocol import (
     MSG_CHUNK,
@@ -156,6 +156,7 @@ def worker_main(
     # Ctrl-C goes to the whole process group; the main process decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent_pid = os.getppid()
+    priority.match(spec.main_pid)  # a service's workers are as nice as it is
     if (death is not None and not arm_death_pipe(death)) or not main_alive(spec.main_pid):
         os._exit(0)
     for fd in close_fds:  # the parent's ends of other pipes, inherited by fork

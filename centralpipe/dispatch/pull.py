@@ -7,7 +7,8 @@ short slices so ``state_dict()``/``query()`` get it promptly; the drivers in
 :mod:`centralpipe.dispatch.sender` then have the chunk run. The chunk size
 adapts to the measured cost of the worker stages (:func:`target_chunk`), and
 a chunk is pulled only when a whole one fits in the buffer
-(:func:`has_room`).
+(:func:`has_room`). A range chunk (below) aims at more work
+(``timeouts.TARGET_RANGE_CHUNK_S``): its main-process cost is per chunk.
 
 A parallel stage that reads straight from ``read_lines`` on workers pulls
 each chunk as one range of lines instead (:func:`_fill_range`; see
@@ -61,7 +62,10 @@ def _chunk_target(s: Stream) -> int:
     elif s.cost_per_item <= 0:
         n = FIRST_CHUNK
     else:
-        n = max(1, min(MAX_CHUNK, int(timeouts.TARGET_CHUNK_S / s.cost_per_item)))
+        # Ranges (read in the worker) cost the main process per chunk, not
+        # per line: they aim at more work per chunk.
+        aim = timeouts.TARGET_CHUNK_S if s.ranges is None else timeouts.TARGET_RANGE_CHUNK_S
+        n = max(1, min(MAX_CHUNK, int(aim / s.cost_per_item)))
         per_item = s.stats.bytes_per_item  # measured by dispatch.budget; < 0: not yet
         if per_item > 0:
             n = max(1, min(n, int(MAX_CHUNK_RESULT_BYTES / per_item)))

@@ -39,6 +39,7 @@ __all__ = [
     "STATES_TIMEOUT_S",
     "STOP_TIMEOUT_S",
     "TARGET_CHUNK_S",
+    "TARGET_RANGE_CHUNK_S",
     "TERMINATE_TIMEOUT_S",
     "THREAD_JOIN_TIMEOUT_S",
     "WORKER_WATCHDOG_S",
@@ -81,6 +82,12 @@ LOCK_SLICE_S = 0.0005
 #: Work per chunk the adaptive chunk size aims at: large enough to amortise
 #: one pipe message, small enough to keep every worker busy.
 TARGET_CHUNK_S = 0.005
+#: The same for a chunk that is a range of lines read by the worker
+#: (``read_lines`` into a parallel stage): its main-process cost is per
+#: chunk (a range out, results back, ordered delivery), not per line, so
+#: it aims at more work per chunk; the buffer and result-byte limits still
+#: bound it (``dispatch.pull``).
+TARGET_RANGE_CHUNK_S = 0.02
 
 # -- worker processes and threads (executors) ----------------------------------
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -230,3 +230,23 @@ def test_pull_chunk_takes_a_source_in_bulk_in_order() -> None:
     assert items == list(range(len(items))) and len(items) == 3 * sender.FIRST_CHUNK
     assert [c.first_seq for c in chunks if c is not None] == [0, 16, 32]
     assert s.tip.own_state() == {"index": 48} and s.next_seq == 48
+
+
+def test_a_range_chunk_aims_at_more_work_within_the_same_bounds() -> None:
+    """A chunk of lines read in the worker (a range) aims at
+    ``TARGET_RANGE_CHUNK_S`` of work instead of ``TARGET_CHUNK_S``: its
+    main-process cost is per chunk. The result-byte and buffer limits bound
+    it as they bound any chunk."""
+    from centralpipe.dispatch import pull, timeouts
+
+    s = _stream(buffer_size=1_000_000)
+    s.cost_per_item = 50e-6
+    lines = int(timeouts.TARGET_CHUNK_S / 50e-6)
+    assert sender.target_chunk(s) == lines
+    s.ranges = cast(Any, object())  # the stream reads its lines as ranges
+    assert sender.target_chunk(s) == int(timeouts.TARGET_RANGE_CHUNK_S / 50e-6) > lines
+    s.stats.bytes_per_item = pull.MAX_CHUNK_RESULT_BYTES / 100
+    assert sender.target_chunk(s) == 100
+    s.stats.bytes_per_item = -1.0
+    s.buffer_size = 400
+    assert sender.target_chunk(s) == 400 // (2 * 2)

@@ -21,7 +21,6 @@ import multiprocessing
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 import weakref
@@ -149,7 +148,6 @@ def serve_node(
     """Entry point of the node service (a ``multiprocessing.Process`` target)."""
     priority.lower_helper()  # before its workers start: they inherit it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sys.setswitchinterval(timeouts.SERVICE_SWITCH_INTERVAL_S)
     pids = [owner_pid] * local_world
     connected = threading.Event()
     threading.Thread(

@@ -9,9 +9,10 @@ training loop waits for the device for most of each step (with the GIL and
 the CPU released). The user's own process is never reniced, and nothing is
 raised above what the kernel allows (a niceness only goes up).
 
-The service also shortens its GIL switch interval (:data:`SWITCH_INTERVAL_S`),
-so its threads (the feeder, the supervisor, the replies) hand the GIL over
-quickly instead of holding the reply to the client behind a 5 ms slice.
+The service also shortens its GIL switch interval
+(:data:`~centralpipe.dispatch.timeouts.SERVICE_SWITCH_INTERVAL_S`), so its
+threads (the feeder, the supervisor, the replies) hand the GIL over quickly
+instead of holding a reply or a query behind a 5 ms slice.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ import contextlib
 import os
 import sys
 
-__all__ = ["NICENESS", "SWITCH_INTERVAL_S", "lower_helper", "match", "niceness"]
+from centralpipe.dispatch import timeouts
+
+__all__ = ["NICENESS", "lower_helper", "match", "niceness"]
 
 #: Niceness points a helper process (the service of ``central="service"`` or
 #: ``"node"``, and its workers) adds to the one it started with.
 NICENESS = 10
-#: GIL switch interval of a service process, seconds (Python's default: 0.005).
-SWITCH_INTERVAL_S = 0.0005
 
 
 def niceness(pid: int = 0) -> int:
@@ -40,7 +41,7 @@ def lower_helper() -> None:
     the niceness (and :func:`match` it however they were started)."""
     with contextlib.suppress(OSError):  # not allowed here: keep the priority
         os.nice(NICENESS)
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    sys.setswitchinterval(timeouts.SERVICE_SWITCH_INTERVAL_S)
 
 
 def match(pid: int) -> None:

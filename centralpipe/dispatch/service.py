@@ -46,7 +46,6 @@ import contextlib
 import io
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -95,7 +94,6 @@ def serve(
     """Entry point of the service process (a ``multiprocessing.Process`` target)."""
     priority.lower_helper()  # before its workers start: they inherit it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sys.setswitchinterval(timeouts.SERVICE_SWITCH_INTERVAL_S)
     threading.Thread(
         target=_watchdog,
         args=(client_pid, os.getppid()),

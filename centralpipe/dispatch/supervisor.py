@@ -68,7 +68,8 @@ class Policy:
 class Supervisor:
     """One run over the executor; see the module docstring.
 
-    Invariants: only the supervisor thread calls ``executor.wait`` and
+    Invariants: only the supervisor thread calls ``executor.wait`` (and
+    reads nothing once a later run has claimed the executor) and
     ``executor.replace`` (under the slot's ``send_lock``); only the run's
     sending thread sends chunks; ``wake`` is notified whenever a result, a
     re-send, an error or room in a buffer appears, and no thread holds it
@@ -114,6 +115,9 @@ class Supervisor:
         )
 
     def start(self) -> None:
+        # The workers' messages are this run's from now on, even if the
+        # thread of an earlier run is still waiting on them.
+        self.executor.claim(self)
         self.executor.measure = self.held.limit is not None
         self.executor.set_run(self.run_id)
         self.executor.ensure_alive()
@@ -138,9 +142,11 @@ class Supervisor:
 
     def _supervise(self) -> None:
         try:
-            while not self.stopping:
+            # A later run's claim ends this thread too (its stop may have
+            # given up waiting for it, or been cut short).
+            while not self.stopping and self.executor.reader is self:
                 self._paused = paused = self._pause()
-                for event in self.executor.wait(timeouts.POLL_S, paused):
+                for event in self.executor.wait(timeouts.POLL_S, paused, self):
                     if self.stopping:
                         break
                     if event.message is None:
@@ -386,7 +392,8 @@ class Supervisor:
         if self.stopped:
             return
         self.abandoned = True
-        self.executor.set_run(self.run_id + 1)
+        if self.executor.reader is self:  # (a later run's chunks are never skipped)
+            self.executor.set_run(self.run_id + 1)
         self.notify()
         if sender is not None and sender is not threading.current_thread():
             deadline = time.monotonic() + timeouts.STOP_TIMEOUT_S

@@ -101,6 +101,20 @@ class Executor(abc.ABC):
         self.shut = False
         #: Measure the bytes of results (set by the run when it bounds them).
         self.measure = False
+        #: The one reader of the workers' messages (a run's supervisor, see
+        #: :meth:`claim`); taken with ``read_lock`` before each read.
+        self.reader: object | None = None
+        self.read_lock = threading.Lock()
+
+    def claim(self, reader: object) -> None:
+        """Make ``reader`` the only one whose :meth:`wait` reads messages.
+
+        An earlier reader (the supervisor of a run whose stop gave up
+        waiting for it) may still be inside a ``wait`` or about to call it:
+        from now on it reads nothing, so a result of the new run can never
+        be taken, and dropped, by the thread of an old one."""
+        with self.read_lock:
+            self.reader = reader
 
     def start(self, stop: Callable[[], bool] | None = None) -> None:
         """Start every worker; ``stop``: checked before each, ends the start
@@ -143,10 +157,13 @@ class Executor(abc.ABC):
         """A control message (e.g. a state request); ``False`` if gone."""
 
     @abc.abstractmethod
-    def wait(self, timeout: float, paused: frozenset[int] = frozenset()) -> list[Event]:
+    def wait(
+        self, timeout: float, paused: frozenset[int] = frozenset(), reader: object = None
+    ) -> list[Event]:
         """Messages and deaths, waiting at most ``timeout`` seconds; results
         of the ``paused`` slots are left with their workers for now (deaths
-        are still reported)."""
+        are still reported). Nothing (an empty list) once ``reader`` is not
+        the one :meth:`claim` named."""
 
     @abc.abstractmethod
     def interrupt(self) -> None:

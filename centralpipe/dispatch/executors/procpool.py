@@ -215,7 +215,11 @@ class ProcessPool(Executor):
     def send_control(self, slot: Slot, obj: Any) -> bool:
         return self.send(slot, protocol.encode(obj))
 
-    def wait(self, timeout: float, paused: frozenset[int] = frozenset()) -> list[Event]:
+    def wait(
+        self, timeout: float, paused: frozenset[int] = frozenset(), reader: object = None
+    ) -> list[Event]:
+        if reader is not self.reader:
+            return []
         self._paused = paused
         waitables: dict[Any, Slot] = {}
         for slot in self.slots:
@@ -236,14 +240,19 @@ class ProcessPool(Executor):
             slot = waitables[obj]
             if slot.index in dead:
                 continue
-            if isinstance(obj, Connection):
-                try:
-                    events.append(Event(slot, *protocol.recv_counted(obj, slot.ring)))
-                    continue
-                except (EOFError, OSError):
-                    pass
-            dead.add(slot.index)
-            events.append(Event(slot, None))
+            with self.read_lock:
+                # A later run claimed the workers while this one waited: what
+                # is ready now is that run's (see ``claim``).
+                if reader is not self.reader:
+                    return events
+                if isinstance(obj, Connection):
+                    try:
+                        events.append(Event(slot, *protocol.recv_counted(obj, slot.ring)))
+                        continue
+                    except (EOFError, OSError):
+                        pass
+                dead.add(slot.index)
+                events.append(Event(slot, None))
         return events
 
     def interrupt(self) -> None:

@@ -41,6 +41,9 @@ class ThreadPool(Executor):
         # over a result, re-checking every timeouts.PAUSE_POLL_S.
         self._paused: frozenset[int] = frozenset()
         self._resume = threading.Condition()
+        #: Messages an earlier reader took after a later one claimed the
+        #: workers (see ``Executor.claim``): the new reader's, read first.
+        self._unclaimed: list[tuple[int, int, Any] | None] = []
 
     def _start(self, slot: Slot) -> None:
         inbox: queue.Queue[Encoded | None] = queue.Queue()
@@ -93,7 +96,11 @@ class ThreadPool(Executor):
     def send_control(self, slot: Slot, obj: Any) -> bool:
         return self.send(slot, protocol.encode(obj))
 
-    def wait(self, timeout: float, paused: frozenset[int] = frozenset()) -> list[Event]:
+    def wait(
+        self, timeout: float, paused: frozenset[int] = frozenset(), reader: object = None
+    ) -> list[Event]:
+        if reader is not self.reader:
+            return []
         if paused != self._paused:
             with self._resume:
                 self._paused = paused
@@ -108,6 +115,15 @@ class ThreadPool(Executor):
                 got.append(self.outbox.get_nowait())
             except queue.Empty:
                 break
+        with self.read_lock:
+            if reader is not self.reader:
+                # A later run claimed the workers while this one waited: what
+                # it took is that run's; left for it (see ``claim``).
+                self._unclaimed.extend(got)
+                self.outbox.put(None)  # its wait, if in progress, looks again
+                return events
+            got[:0] = self._unclaimed
+            self._unclaimed.clear()
         for entry in got:
             if entry is None:  # interrupt()
                 continue

@@ -32,9 +32,13 @@ def collect(
     out: dict[str, Any] = {}
     in_flight = run.segment_in_flight() if run is not None else {}
     for node in all_nodes(nodes):
+        # A stage fused into a later one is never pulled: its count (and the
+        # next stage's input count) is None rather than a wrong 0.
+        fused = getattr(node, "fused_into", None) is not None
+        fed_fused = getattr(node.source, "fused_into", None) is not None
         out[node.name] = {
-            "items_in": node.source_items(),
-            "items_out": node.items_out,
+            "items_in": None if fed_fused else node.source_items(),
+            "items_out": None if fused else node.items_out,
             "time_s": node.own_time_s(),
         }
         if node.name in segment_stats:

@@ -87,6 +87,7 @@ class Run:
             stamper = Stamper(node.source.chain())
             for member in members:
                 member.stamper = stamper
+                member.fused_into = None if member is members[-1] else members[-1].name
             entry = None if resume is None else resume.in_flight[node.name]
             stream = Stream(
                 tip=node.source,

@@ -47,6 +47,10 @@ class Parallel(CentralNode[Any]):
         #: Totals of the count/shard stages before this one (set by the Loader).
         self.stamper: Any = None
         self.stream: Any = None
+        #: The later stage of a fused segment whose stream runs this stage's
+        #: function (``dispatch.segments``; set at each run): this stage is
+        #: never pulled, so its own output count is not known.
+        self.fused_into: str | None = None
         self._outputs: Iterator[Any] | None = None
 
     @classmethod

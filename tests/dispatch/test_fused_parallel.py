@@ -95,6 +95,22 @@ def test_fused_segment_is_one_stream() -> None:
         assert sum(per_worker) == later, fuse
 
 
+def test_metrics_of_a_fused_stage_say_unknown_not_zero() -> None:
+    """A stage fused into the next is never pulled: its ``items_out`` (and
+    the next stage's ``items_in``) is None, never a wrong 0; unfused, both are
+    counted. The segment's last stage counts its outputs either way."""
+    for fuse, inner in ((True, None), (False, N)):
+        pipe = cp.Pipeline.from_iterable(range(N)).map(f.double, parallel=True, name="a")
+        pipe = pipe.filter(f.not_div3, parallel=True, name="b").count("seen")
+        with cp.Loader(pipe, _cfg(2, fuse=fuse)) as loader:
+            out = list(loader)
+            m = loader.metrics()
+        kept = len(out)
+        assert (m["a"]["items_in"], m["a"]["items_out"]) == (N, inner), fuse
+        assert (m["b"]["items_in"], m["b"]["items_out"]) == (inner, kept), fuse
+        assert m["seen"]["items_in"] == kept
+
+
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize(("workers", "executor"), PROCESS_AND_THREAD)
 def test_resumes_exactly_at_every_k(workers: int, executor: str, fuse: bool) -> None:

@@ -89,6 +89,7 @@ __all__ = [
     "has_step_count",
     "in_flight_items",
     "is_global",
+    "later_entry",
     "merged_wire",
     "stamp_tuple",
     "structure",
@@ -427,6 +428,21 @@ def entry_wire(
     if ranges:  # present only when some lines are in flight as ranges
         out["ranges"] = ranges
     return out
+
+
+def later_entry(first: dict[str, Any]) -> dict[str, Any]:
+    """The entry of a later stage of a fused segment whose first stage's
+    entry is ``first`` (``dispatch.segments``): nothing in flight, its next
+    input the segment's first one not delivered, stamped as ``first``."""
+    return entry_wire(
+        next_seq=first["first_seq"],
+        first_seq=first["first_seq"],
+        items=[],
+        stamps=None if first["stamps"] is None else [],
+        skip_outputs=0,
+        skip=[],
+        delivered_stamp=first.get("delivered_stamp"),
+    )
 
 
 def empty_entry() -> dict[str, Any]:

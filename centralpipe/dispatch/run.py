@@ -16,7 +16,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from centralpipe.checkpoint.model import Captured, Checkpoint, entry_wire, stamp_tuple
+from centralpipe.checkpoint.model import Captured, Checkpoint, later_entry, stamp_tuple
 from centralpipe.dispatch.executors.pool import Executor
 from centralpipe.dispatch.reorder import Driver, Stamper, Stream, StreamStats
 from centralpipe.dispatch.segments import Segment, unfused_for
@@ -298,18 +298,7 @@ def _member_entries(members: Sequence[Parallel], entry: dict[str, Any]) -> dict[
     """Each stage's in-flight entry of a stream over ``members``: the
     stream's inputs are the first stage's; a later stage of a fused segment
     has nothing in flight, its next input the first one not delivered."""
-    out = {members[0].name: entry}
-    for node in members[1:]:
-        out[node.name] = entry_wire(
-            next_seq=entry["first_seq"],
-            first_seq=entry["first_seq"],
-            items=[],
-            stamps=None if entry["stamps"] is None else [],
-            skip_outputs=0,
-            skip=[],
-            delivered_stamp=entry.get("delivered_stamp"),
-        )
-    return out
+    return {members[0].name: entry, **{node.name: later_entry(entry) for node in members[1:]}}
 
 
 def _range_reader(stream: Stream) -> Any:

@@ -38,7 +38,7 @@ import centralpipe as cp
 from centralpipe.tools.bench import CpuMeter
 from centralpipe.tools.bench_seed import BUFFER, CORPUS_GLOB, MAX_TOKENS, pad, train_py_tokenizer
 
-__all__ = ["main"]
+__all__ = ["job", "main"]
 
 
 def _tree_cpu_s(meter: CpuMeter) -> float:
@@ -64,6 +64,38 @@ def _query_ms(loader: cp.Loader[Any], n: int = 200) -> float:
     return mean
 
 
+def job(
+    repeat: int, parallel: bool, workers: int, central: str
+) -> tuple[cp.Pipeline, cp.LoaderConfig, int]:
+    """One rank's seed pipeline over the bundled corpus ``repeat`` times (the
+    tokenizer ``parallel`` or a central map), its config and its number of
+    lines, after joining the gloo process group: what every torchrun bench
+    of the modes runs."""
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    corpus = [
+        line
+        for path in sorted(glob.glob(CORPUS_GLOB))
+        for line in Path(path).read_text(encoding="utf-8").split("\n")
+    ]
+    tok = train_py_tokenizer(corpus)
+    pipe = (
+        cp.Pipeline.from_iterable(corpus * repeat)
+        .map(tok, parallel=parallel)
+        .bucket_by_max_tokens(MAX_TOKENS, buffer_size=BUFFER, min_len=1)
+        .count("pre_shard", weight_fn=len)
+        .shard(equalize="drop_last")
+        .dispatch()
+        .map(pad)
+    )
+    config = cp.LoaderConfig(
+        workers=cp.WorkerConfig(num_workers=workers, start_method="fork"),
+        distributed=cp.DistributedConfig.from_env(),
+        central=central,
+    )
+    return pipe, config, len(corpus) * repeat
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--central", choices=("process", "service", "node"), default="process")
@@ -79,29 +111,7 @@ def main(argv: list[str] | None = None) -> None:
 
         run_all(args.rounds, args.epochs, args.repeat, args.workers)
         return
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    corpus = [
-        line
-        for path in sorted(glob.glob(CORPUS_GLOB))
-        for line in Path(path).read_text(encoding="utf-8").split("\n")
-    ]
-    tok = train_py_tokenizer(corpus)
-    lines = corpus * args.repeat
-    pipe = (
-        cp.Pipeline.from_iterable(lines)
-        .map(tok, parallel=args.tokenize == "parallel")
-        .bucket_by_max_tokens(MAX_TOKENS, buffer_size=BUFFER, min_len=1)
-        .count("pre_shard", weight_fn=len)
-        .shard(equalize="drop_last")
-        .dispatch()
-        .map(pad)
-    )
-    config = cp.LoaderConfig(
-        workers=cp.WorkerConfig(num_workers=args.workers, start_method="fork"),
-        distributed=cp.DistributedConfig.from_env(),
-        central=args.central,
-    )
+    pipe, config, lines = job(args.repeat, args.tokenize == "parallel", args.workers, args.central)
     meter = CpuMeter()
     with cp.Loader[Any](pipe, config) as loader:
         sum(1 for _ in loader)  # warm-up: the workers (and the service) are up
@@ -111,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
             sum(1 for _ in loader)
         wall, cpu = time.perf_counter() - t0, _tree_cpu_s(meter) - cpu0
         query_ms = _query_ms(loader)
-    rate = len(lines) * args.epochs / wall  # central lines passed per second, this rank
+    rate = lines * args.epochs / wall  # central lines passed per second, this rank
     out: list[list[float]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(out, [cpu, rate, wall, query_ms])
     if dist.get_rank() == 0:

@@ -18,18 +18,15 @@ call: mean, p50, p90 and max in milliseconds.
 from __future__ import annotations
 
 import argparse
-import glob
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 import centralpipe as cp
-from centralpipe.tools.bench_seed import BUFFER, CORPUS_GLOB, MAX_TOKENS, pad, train_py_tokenizer
+from centralpipe.tools.bench_modes_job import job
 
 __all__ = ["CALLS", "main", "summary"]
 
@@ -78,28 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=2, help="copies of the corpus")
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args(argv)
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    corpus = [
-        line
-        for path in sorted(glob.glob(CORPUS_GLOB))
-        for line in Path(path).read_text(encoding="utf-8").split("\n")
-    ]
-    tok = train_py_tokenizer(corpus)
-    pipe = (
-        cp.Pipeline.from_iterable(corpus * args.repeat)
-        .map(tok)
-        .bucket_by_max_tokens(MAX_TOKENS, buffer_size=BUFFER, min_len=1)
-        .count("pre_shard", weight_fn=len)
-        .shard(equalize="drop_last")
-        .dispatch()
-        .map(pad)
-    )
-    config = cp.LoaderConfig(
-        workers=cp.WorkerConfig(num_workers=args.workers, start_method="fork"),
-        distributed=cp.DistributedConfig.from_env(),
-        central=args.central,
-    )
+    pipe, config, _ = job(args.repeat, False, args.workers, args.central)
     with cp.Loader[Any](pipe, config) as loader:
         sum(1 for _ in loader)  # warm-up: the workers (and the service) are up
         dist.barrier()

@@ -52,6 +52,8 @@ Main process, one pass of the Loader:
 - ``chainlock``     the chain lock, the one lock held across user code, and
   the bounded waits on it.
 - ``pinning``   pinning delivered tensors (``pin_memory=True``) in a thread.
+- ``priority`` [worker] the CPU priority of the helpers of ``"service"`` and
+  ``"node"`` (a service and its workers run nicer than the training process).
 - ``timeouts`` [worker] every time bound of the machinery, in seconds, with
   what it bounds and why that value (read at each wait; imports nothing).
 

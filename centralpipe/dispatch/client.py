@@ -5,7 +5,9 @@
 (:func:`centralpipe.dispatch.service.serve`, whose module docstring tells the
 whole design), connects twice (requests; reads that never wait), hands it a
 shared-memory ring for the outputs, and turns every call into one request
-and one reply. Every wait is on the connection and the service's process
+and one reply; ``next()`` also asks for the output after it, which crosses
+while the consumer works (see the service's docstring, "Outputs"). Every
+wait is on the connection and the service's process
 sentinel: a killed service is a ``ServiceError`` at once. A Ctrl-C that cuts
 a call short leaves its reply owed: the next call reads it first, and keeps
 the output of a ``next`` (or the pass of a ``start``) for the same call.
@@ -127,6 +129,13 @@ class ServiceClient:
         self._owed: collections.deque[tuple[str, tuple[Any, ...]]] = collections.deque()
         #: The reply of a cut-short ``next`` or ``start``, for the same request next.
         self._held: tuple[tuple[str, tuple[Any, ...]], tuple[str, Any]] | None = None
+        #: ``(pass id, output)`` the service delivered ahead (an ``ahead``
+        #: request), not handed to the consumer yet: the service answers every
+        #: other request as if it were not delivered.
+        self._ahead: tuple[int, Any] | None = None
+        #: ``(pass id, output)`` being handed to the consumer: kept across an
+        #: interrupt, so the next ``next()`` hands it out.
+        self._ready: tuple[int, Any] | None = None
         self._lock = threading.Lock()
         self._reads_lock = threading.Lock()
         try:
@@ -242,7 +251,10 @@ class ServiceClient:
             op, args = self._owed[0]
             reply = self._receive()
             self._owed.popleft()  # no call between the reply and its record
-            if op in _KEPT and reply[0] != "err":
+            if op == "ahead":
+                if reply[0] == "ok":
+                    self._ahead = (args[0], reply[1])
+            elif op in _KEPT and reply[0] != "err":
                 self._held = ((op, args), reply)
 
     def _call(self, op: str, *args: Any) -> tuple[str, Any]:
@@ -252,24 +264,14 @@ class ServiceClient:
             return self._call_locked(op, args)
 
     def _call_locked(self, op: str, args: tuple[Any, ...]) -> tuple[str, Any]:
-        if self._dead is not None:
-            raise ServiceError(self._dead)
-        conn = self._link.conn
-        if conn is None:
-            raise RuntimeError("this Loader is closed.")
-        self._drain()
+        self._drain_live()
         held = self._held
         if held is not None and held[0] == (op, args):
             self._held = None
             return held[1]  # what a cut-short call of the same request was getting
         if op in _ENDS_A_PASS:
-            self._held = None
-        self._owed.append((op, args))
-        try:
-            conn.send((op, args))
-        except OSError:
-            self._owed.pop()
-            self._died("before a request")
+            self._held = self._ahead = self._ready = None
+        self._send(op, args)
         kind, value = self._receive()
         self._owed.popleft()
         if kind == "err":
@@ -284,13 +286,56 @@ class ServiceClient:
         return _RemotePass(self, pass_id)
 
     def next_output(self, pass_id: int) -> Any:
-        kind, value = self._call("next", pass_id)
-        if kind == "end":
-            raise StopIteration
+        with self._lock:
+            value = self._next_locked(pass_id)
         pinner = self._link.pinner
         if pinner is not None:
             value = pinner.submit([value]).result()[0]
         return value
+
+    def _next_locked(self, pass_id: int) -> Any:
+        """The pass's next output, asking for the one after it before
+        handing it out, so that it crosses while the consumer works: an
+        ``ahead`` request, which the service answers at once with the output
+        it has ready (or ``none``: the next ``next()`` waits for it)."""
+        ready = self._ready
+        if ready is None or ready[0] != pass_id:
+            self._ready = None
+            self._drain_live()
+            ahead = self._ahead
+            if ahead is not None and ahead[0] == pass_id:
+                self._ready, self._ahead = ahead, None
+            else:
+                kind, value = self._call_locked("next", (pass_id,))
+                if kind == "end":
+                    raise StopIteration
+                self._ready = (pass_id, value)
+        if self._ahead is None and not self._owed:
+            self._send("ahead", (pass_id,))
+        ready = self._ready
+        assert ready is not None
+        self._ready = None  # no call between this and the return
+        return ready[1]
+
+    def _drain_live(self) -> None:
+        """Raise if the service is gone or the Loader closed; else read the
+        replies still owed (``_drain``)."""
+        if self._dead is not None:
+            raise ServiceError(self._dead)
+        if self._link.conn is None:
+            raise RuntimeError("this Loader is closed.")
+        self._drain()
+
+    def _send(self, op: str, args: tuple[Any, ...]) -> None:
+        """Send a request whose reply a later call reads (``_drain``)."""
+        conn = self._link.conn
+        assert conn is not None
+        self._owed.append((op, args))
+        try:
+            conn.send((op, args))
+        except OSError:
+            self._owed.pop()
+            self._died("before a request")
 
     def stop(self) -> None:
         self._call("stop")

@@ -10,6 +10,7 @@ The helper process of ``central="service"`` runs one too
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 from collections.abc import Callable, Iterator
@@ -170,6 +171,37 @@ class LocalCentral:
         if pending is None or pending.ckpt.finished:
             self._stats.epoch_restarts = 0
         return run
+
+    # -- delivery ahead of the consumer (a service's client) ---------------------
+
+    def ready_ahead(self) -> bool:
+        """Whether the pass can deliver its next output now in a way that
+        :meth:`step_back` can undo (``Stream.ready_ahead``)."""
+        run = self._res.run
+        return run is not None and run.stream.ready_ahead()
+
+    def step_back(self) -> None:
+        """The consumer never got the last output (delivered ahead): the
+        position goes back before it, for good (the pass is ending)."""
+        run = self._res.run
+        if run is not None:
+            run.stream.step_back()
+
+    @contextlib.contextmanager
+    def one_behind(self) -> Iterator[None]:
+        """Inside, the position is one output before the last delivered,
+        which a service's client holds unread: ``state()``, ``query()`` and
+        the rest describe the consumer's position. The output stays
+        delivered afterwards."""
+        run = self._res.run
+        if run is None:
+            yield
+            return
+        position = run.stream.step_back()
+        try:
+            yield
+        finally:
+            run.stream.step_to(position)
 
     def set_next_epoch(self, epoch: int) -> None:
         """Make the next pass start epoch ``epoch`` from its start, dropping a

@@ -499,6 +499,57 @@ class Stream:
         self._ended = True
         raise error
 
+    # -- delivery ahead of the consumer (``central="service"``) ------------------
+
+    def ready_ahead(self) -> bool:
+        """Whether :meth:`next_output` would return an output at once, from
+        a chunk without failures: the rest of the current chunk, or the
+        first output of the next one when its plain result is in. Only then
+        may a service deliver ahead of its client, because only such a
+        delivery can be stepped back (:meth:`step_back`). Never waits."""
+        if self._ended or self._ending or self.stopping:
+            return False
+        nxt = 0
+        if self.current is not None:
+            it = self._cur_it
+            if not self._cur_plain or it is None:
+                return False
+            if operator.length_hint(it) > 0:
+                return True
+            nxt = 1  # the current chunk is pending[0] until it is retired
+        with self.lock:
+            head = self.pending[nxt] if len(self.pending) > nxt else None
+        if head is None or head.bad_skip or head.pinned is not None:
+            return False
+        result = head.result
+        return result is not None and result.failures is None and len(result.outputs) > 0
+
+    def step_back(self) -> int:
+        """Move the delivery position back by the last output, which came
+        from the current chunk (a delivery that :meth:`ready_ahead`
+        allowed); returns the position to give :meth:`step_to` to undo it.
+
+        Every output before it is delivered still, and the chunk before the
+        current one stays retired: its last output is one the consumer got.
+        The checkpoint, ``delivered_stamp`` and ``split_current`` all read the
+        position from the iterator, so they describe the consumer's
+        position again."""
+        it = self._cur_it
+        if self.current is None or it is None or not self._cur_plain:
+            raise RuntimeError("step_back() needs an output delivered from the current chunk")
+        position = len(self._cur_list) - operator.length_hint(it)
+        if position < 1:
+            raise RuntimeError("step_back() needs an output delivered from the current chunk")
+        it.__setstate__(position - 1)  # type: ignore[attr-defined]
+        return position
+
+    def step_to(self, position: int) -> None:
+        """Deliver again up to ``position`` of the current chunk (undoes
+        :meth:`step_back`: the same outputs, nothing is run again)."""
+        it = self._cur_it
+        if it is not None:
+            it.__setstate__(position)  # type: ignore[attr-defined]
+
     def take_plain(self, out: list[Any], n: int) -> int:
         """Append up to ``n`` undelivered outputs of the current chunk to
         ``out`` in one slice, when it has no failures (else none); returns

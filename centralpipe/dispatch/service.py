@@ -15,8 +15,17 @@ surface as ``LocalCentral``: each call is one request and one reply.
   nothing else can connect, and nothing is left on disk however either side
   ends.
 - **Outputs**: one reply per output, pulled from the service's pass only when
-  the client asks, so the service's delivery position is the consumer's and
-  ``state()`` is exact. Large tensors and arrays cross in a shared-memory ring
+  the client asks. As it hands an output to its consumer the client asks
+  for the next one *ahead* (``ahead``), so that it crosses while the
+  training step runs; the service delivers it only if it is ready in a chunk
+  without failures (else it replies ``none`` and the client's next ``next``
+  waits as before). While the client holds such an output unread, the
+  service answers every other request one output back
+  (``LocalCentral.one_behind``: the stream's delivery position is stepped
+  back and forward again, nothing is run twice), and a request that ends the
+  pass steps it back for good: ``state()``, ``query(delivered=True)`` and
+  the rest are exactly the consumer's position. Large tensors and arrays
+  cross in a shared-memory ring
   (:mod:`centralpipe.dispatch.wire.ringreader`, the one the workers use: anonymous
   memory, nothing in ``/dev/shm``) and are lent to the consumer without a
   copy; the client does no per-item work beyond receiving its output.
@@ -155,6 +164,9 @@ class Server:
         self._ring = ring
         self._pass_id = 0
         self._outputs: Iterator[Any] | None = None
+        #: The client holds the last output unread: it came from an ``ahead``
+        #: request, and no ``next`` or ``ahead`` has followed it yet.
+        self._ahead = False
 
     def run(
         self,
@@ -171,7 +183,7 @@ class Server:
         try:
             threading.Thread(
                 target=_serve_reads,
-                args=(central, control),
+                args=(central, control, lambda: self._ahead),
                 name="centralpipe-service-reads",
                 daemon=True,
             ).start()
@@ -187,16 +199,34 @@ class Server:
             central.close()
 
     def handle_request(self, central: LocalCentral, op: str, args: tuple[Any, ...]) -> None:
+        if self._ahead and op not in _DELIVERIES:
+            # Whatever the request, it is answered at the client's position.
+            if op in _ENDS_A_PASS:
+                self._ahead = False
+                central.step_back()
+            else:
+                with central.one_behind():
+                    self._handle(central, op, args)
+                return
+        self._handle(central, op, args)
+
+    def _handle(self, central: LocalCentral, op: str, args: tuple[Any, ...]) -> None:
         value: Any = None
         try:
-            if op == "next":
+            if op in _DELIVERIES:
                 if args[0] != self._pass_id or self._outputs is None:
                     raise RuntimeError(_SUPERSEDED)
+                # The client read every output before this request.
+                self._ahead = False
+                if op == "ahead" and not central.ready_ahead():
+                    self._reply("none", None)
+                    return
                 try:
                     value = self._outputs.__next__()
                 except StopIteration:
                     self._reply("end", None)
                     return
+                self._ahead = op == "ahead"
             elif op == "start":
                 self._outputs = None
                 self._outputs = central.start()
@@ -254,20 +284,32 @@ def state_from_bytes(data: bytes) -> Any:
 
 
 _READS = ("state", "total", "length", "worker_states")
+#: Requests for the pass's next output: ``next`` waits for it; ``ahead``,
+#: sent by the client as it hands an output to its consumer, takes it only
+#: if it is there now and can be stepped back (else the reply is ``none``).
+_DELIVERIES = ("next", "ahead")
+#: Requests that end the pass: an output the client holds unread is dropped.
+_ENDS_A_PASS = ("start", "stop", "load", "set_next_epoch")
 #: Reads that never wait (``LocalCentral`` answers them from any thread): served
 #: on their own connection, so they are not queued behind a ``next()``.
 _NEVER_WAIT = ("metrics", "worker_pids")
 
 
-def _serve_reads(central: LocalCentral, conn: Connection) -> None:
-    """The service's second connection: ``_NEVER_WAIT`` reads, in a thread."""
+def _serve_reads(central: LocalCentral, conn: Connection, ahead: Callable[[], bool]) -> None:
+    """The service's second connection: ``_NEVER_WAIT`` reads, in a thread.
+    ``metrics()`` counts an output the client holds unread (``ahead()``) as
+    buffered, not delivered, as the client's consumer sees it."""
     with contextlib.suppress(EOFError, OSError):
         while True:
             op, _ = conn.recv()
             try:
                 if op not in _NEVER_WAIT:
                     raise ValueError(f"unknown read {op!r}")
-                reply: tuple[str, Any] = ("ok", getattr(central, op)())
+                value = getattr(central, op)()
+                if op == "metrics" and ahead():
+                    d = value["dispatch"]
+                    d["delivered"], d["buffered"] = d["delivered"] - 1, d["buffered"] + 1
+                reply: tuple[str, Any] = ("ok", value)
             except Exception as exc:
                 reply = ("err", exc)
             transport.send(conn, reply)

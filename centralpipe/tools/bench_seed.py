@@ -487,7 +487,9 @@ CONTENDERS: tuple[tuple[str, Callable[[list[str], Tok], Run]], ...] = (
     ("torchdata.nodes ParallelMapper, 2 workers", lambda ls, t: run_nodes(ls, t.lists)),
 )
 #: The rows the targets read (the array forms are the fast way the docs show).
-FAST_PROCESS = "centralpipe parallel=True, process, arrays"
+#: The process row is the motivating pipeline itself: text files streamed by
+#: ``read_lines``, which the workers read by byte ranges (the default).
+FAST_PROCESS = "centralpipe parallel=True, process, arrays, file read in workers"
 FAST_THREAD = "centralpipe parallel=True, thread, batched"
 INLINE = "centralpipe inline, 0 workers"
 

@@ -41,6 +41,9 @@ from centralpipe.validators import FieldError, checked, sequence_of
 __all__ = ["Filter", "FlatMap", "FlatMapState", "Map"]
 
 PENDING_KEY = "pending"
+#: Inputs an inline ``map`` pulls from its source at once in a bulk pull;
+#: at most this many wait in its ``held`` (and in a checkpoint's).
+MAP_BULK = 64
 
 
 @attrs.frozen(kw_only=True)
@@ -85,26 +88,62 @@ class _OneHeld(_PerItem):
         self.restore_held(state)
 
     def check_state(self, state: Any, states: Any) -> None:
-        self.check_held(state.held, 1)
+        self.check_held(state.held, self.most_held)
+
+    #: The most inputs a call can leave held.
+    most_held = 1
 
 
 class Map(_OneHeld):
     kind = MAP.name
     item_kind = MAP
+    most_held = MAP_BULK
 
     def produce(self) -> Any:
         assert self.source is not None
         held = self.held
         if not held:
             pull_one(self.source, held)
-        item = held[-1]
-        del held[-1]
+        item = held[0]
+        del held[0]
         try:
             return self._fn(item)
         except BaseException as exc:
             if not isinstance(exc, Exception):  # interrupted: the next call retries it
-                held.append(item)
+                held.insert(0, item)
             raise
+
+    def produce_into(self, out: list[Any], n: int) -> None:
+        """Up to ``n`` outputs from at most ``MAP_BULK`` inputs pulled at once.
+
+        The inputs wait in ``held`` (saved by a checkpoint). Each leaves it
+        only once ``fn`` has returned, and its output is appended right
+        after with no call in between: an interrupt inside ``fn`` leaves it
+        held (``fn`` runs on it again), one after the append finds it gone,
+        so nothing is lost or repeated. An input whose ``fn`` raises an
+        ``Exception`` is consumed, as in :meth:`produce`; the inputs after it
+        stay held for the next call."""
+        held, fn = self.held, self._fn
+        if not held:
+            source = self.source
+            try:
+                if isinstance(source, CentralNode):
+                    source.pull_into(held, min(n, MAP_BULK))
+                else:
+                    assert source is not None
+                    held.append(source.__next__())
+            except StopIteration:
+                if not held:
+                    raise
+        while held:
+            item = held[0]
+            try:
+                value = fn(item)
+            except Exception:
+                del held[0]
+                raise
+            del held[0]  # a subscript deletion, not a call: no interrupt lands here
+            out.append(value)
 
 
 class Filter(_OneHeld):

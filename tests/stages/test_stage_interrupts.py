@@ -18,6 +18,7 @@ import centralpipe as cp
 from centralpipe.stages import RunContext, build_central
 from centralpipe.stages import files as files_stage
 from centralpipe.stages.mix import Mix
+from centralpipe.stages.transform import MAP_BULK
 from centralpipe.testing import items_until_interrupt
 from tests.support.configs import loader_config
 
@@ -314,7 +315,12 @@ def test_interrupt_while_mix_starts_a_pass(monkeypatch: pytest.MonkeyPatch, work
         pytest.param(
             cp.Pipeline.from_iterable(range(9)).batch(3), "batch_1", [1, 2, 3, 4], id="batch"
         ),
-        pytest.param(cp.Pipeline.from_iterable(range(9)).map(_inc), "map_1", [1, 2], id="map-two"),
+        pytest.param(
+            cp.Pipeline.from_iterable(range(9)).map(_inc),
+            "map_1",
+            list(range(MAP_BULK + 1)),
+            id="map-more-than-a-bulk-pull",
+        ),
         pytest.param(
             cp.Pipeline.from_iterable(range(9)).count("c"), "c", [4, 5], id="count-no-weight_fn"
         ),

@@ -1,8 +1,8 @@
 """The seed pipeline in ``central="node"`` under torchrun (2 local ranks, gloo
 on loopback): its parallel tokenizer runs once per node, and each rank still
 gets process mode's batches, resumes bit-identically after a rank is killed
-with SIGKILL, resumes on 1 and 3 ranks, and sees a stalled local rank as an
-error naming it.
+with SIGKILL (the kill and restart run in every central mode), resumes on 1
+and 3 ranks, and sees a stalled local rank as an error naming it.
 
 The ranks run ``tests/scripts/dist_node_seed.py`` (one launch per phase) and write
 digests of their batches; the assertions are made here.
@@ -32,11 +32,13 @@ pytestmark = [
 ]
 
 
-def _launch(out: Path, phase: str, nproc: int) -> list[dict[str, Any]]:
-    proc = torchrun(SCRIPT, str(out), phase, nproc=nproc, timeout_s=LAUNCH_TIMEOUT_S)
-    errors = "".join(p.read_text() for p in sorted(out.glob(f"{phase}-error-rank*.txt")))
+def _launch(out: Path, phase: str, nproc: int, mode: str | None = None) -> list[dict[str, Any]]:
+    args = [phase] if mode is None else [phase, mode]
+    proc = torchrun(SCRIPT, str(out), *args, nproc=nproc, timeout_s=LAUNCH_TIMEOUT_S)
+    phase_id = "-".join(args)
+    errors = "".join(p.read_text() for p in sorted(out.glob(f"{phase_id}-error-rank*.txt")))
     assert proc.returncode == 0, errors + proc.stdout[-4000:] + proc.stderr[-4000:]
-    return [json.loads((out / f"{phase}-rank{r}.json").read_text()) for r in range(nproc)]
+    return [json.loads((out / f"{phase_id}-rank{r}.json").read_text()) for r in range(nproc)]
 
 
 @pytest.fixture(scope="module")
@@ -49,21 +51,24 @@ def compared(out: Path) -> list[dict[str, Any]]:
     return _launch(out, "compare", 2)
 
 
-@pytest.fixture(scope="module")
-def killed(out: Path) -> dict[str, Any]:
-    """The ``kill`` launch (it fails: a rank died), then the ``restart`` one."""
-    proc = torchrun(SCRIPT, str(out), "kill", nproc=2, timeout_s=LAUNCH_TIMEOUT_S)
-    heads = [json.loads((out / f"kill-head-rank{r}.json").read_text()) for r in range(2)]
+@pytest.fixture(scope="module", params=["node", "service", "process"])
+def killed(out: Path, request: pytest.FixtureRequest) -> dict[str, Any]:
+    """The ``kill`` launch in each central mode (it fails: a rank died), then
+    the ``restart`` one in the same mode."""
+    mode = request.param
+    proc = torchrun(SCRIPT, str(out), "kill", mode, nproc=2, timeout_s=LAUNCH_TIMEOUT_S)
+    heads = [json.loads((out / f"kill-{mode}-head-rank{r}.json").read_text()) for r in range(2)]
     pids = [p for h in heads for p in h["pids"]]
     deadline = time.monotonic() + 10
     while any(main_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     left = [p for p in pids if main_alive(p)]
     return {
+        "mode": mode,
         "rc": proc.returncode,
         "heads": heads,
         "left": left,
-        "restart": _launch(out, "restart", 2),
+        "restart": _launch(out, "restart", 2, mode),
     }
 
 
@@ -133,7 +138,9 @@ def test_kill_9_a_rank_then_restart_resumes_bit_identically(killed: dict[str, An
 
 
 def test_kill_9_leaves_no_service_or_worker(killed: dict[str, Any]) -> None:
-    """After the killed launch ends, neither the node's service nor any worker
-    (the ranks' nor the node-wide tokenizer pool) is alive within 10 s."""
+    """After the killed launch ends, no service (the node's, or each rank's)
+    and no worker (the ranks' and the node-wide tokenizer pool) is alive
+    within 10 s."""
     assert killed["left"] == []
-    assert len(killed["heads"][0]["pids"]) >= 3
+    # rank 0 knew its workers, and in "node"/"service" mode a service too
+    assert len(killed["heads"][0]["pids"]) >= (2 if killed["mode"] == "process" else 3)

@@ -9,11 +9,12 @@ OUT PHASE``, one launch per phase; batches are written as digests:
   at 0-3 workers; a state of each rank after ``STEP`` batches in node mode
   (``OUT/common-rank<r>.pt``), the merge of both resumed on one rank in
   process mode; the error local rank 0 gets when local rank 1 stops reading;
-- ``kill`` (2 ranks): node mode, both ranks save at ``STEP``
-  (``OUT/kill-rank<r>.pt``), then local rank 1 kills itself with SIGKILL a
-  few batches later; rank 0 writes what it saw and the pids of the service
-  and of every worker it knew;
-- ``restart`` (2 ranks): both ranks load their ``kill`` states in node mode;
+- ``kill MODE`` (2 ranks, ``central=MODE``): both ranks save at ``STEP``
+  (``OUT/kill-MODE-rank<r>.pt``), then local rank 1 kills itself with SIGKILL
+  a few batches later; each rank writes the pids of its service(s) and of
+  every worker it knew, and rank 0 what it saw;
+- ``restart MODE`` (2 ranks): both ranks load their ``kill MODE`` states in
+  that mode;
 - ``three`` (3 ranks): every rank loads the merge of the ``compare`` states,
   in node and in process mode.
 """
@@ -46,6 +47,8 @@ STEP = 9
 KILL_AFTER = 4
 STALL_S = 2.0
 OUT = Path()
+#: The central mode of the ``kill`` and ``restart`` phases (their third argument).
+MODE = "node"
 
 
 def small_buffer() -> cp.Pipeline:
@@ -136,30 +139,34 @@ def _stalled(pipe: cp.Pipeline, rank: int) -> Any:
 
 
 def kill() -> dict[str, Any]:
-    rank = dist.get_rank()
-    loader = cp.Loader(small_buffer(), config("node"))
+    rank, mode = dist.get_rank(), MODE
+    loader = cp.Loader(small_buffer(), config(mode))
     it = iter(loader)
     head = [digest(next(it)) for _ in range(STEP)]
-    torch.save(loader.state_dict(), OUT / f"kill-rank{rank}.pt")
+    torch.save(loader.state_dict(), OUT / f"kill-{mode}-rank{rank}.pt")
     pids = loader.worker_pids()
-    if rank == 0:
-        pids.append(loader._central.service_pid)  # type: ignore[attr-defined]
-    (OUT / f"kill-head-rank{rank}.json").write_text(json.dumps({"head": head, "pids": pids}))
+    service_pid = getattr(loader._central, "service_pid", None)
+    if service_pid and service_pid not in pids:
+        pids.append(service_pid)
+    head_file = OUT / f"kill-{mode}-head-rank{rank}.json"
+    head_file.write_text(json.dumps({"head": head, "pids": pids}))
     dist.barrier()  # both states are on disk
     for _ in range(KILL_AFTER):
         next(it)
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
+    # node: an error naming rank 1; else the rank goes on alone (torchrun
+    # stops it once it sees rank 1 gone).
     seen = _error(lambda: [next(it) for _ in range(10_000)])
-    (OUT / "kill-seen-rank0.txt").write_text(seen)
+    (OUT / f"kill-{mode}-seen-rank0.txt").write_text(seen)
     loader.close()
     return {"seen": seen}
 
 
 def restart() -> dict[str, Any]:
-    rank = dist.get_rank()
-    with cp.Loader(small_buffer(), config("node")) as loader:
-        loader.load_state_dict(torch.load(OUT / f"kill-rank{rank}.pt", weights_only=True))
+    rank, mode = dist.get_rank(), MODE
+    with cp.Loader(small_buffer(), config(mode)) as loader:
+        loader.load_state_dict(torch.load(OUT / f"kill-{mode}-rank{rank}.pt", weights_only=True))
         rest = digests(loader)
     with cp.Loader(small_buffer(), config("process")) as loader:
         full = digests(loader)
@@ -178,11 +185,16 @@ def three() -> dict[str, Any]:
 
 
 def main() -> int:
-    global OUT
+    global OUT, MODE
     OUT = Path(sys.argv[1])
     phase = sys.argv[2]
+    if len(sys.argv) > 3:
+        MODE = sys.argv[3]
+        phase_id = f"{phase}-{MODE}"
+    else:
+        phase_id = phase
     run = {"compare": compare, "kill": kill, "restart": restart, "three": three}[phase]
-    return rank_main(run, OUT, prefix=f"{phase}-")
+    return rank_main(run, OUT, prefix=f"{phase_id}-")
 
 
 if __name__ == "__main__":

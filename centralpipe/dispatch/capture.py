@@ -63,6 +63,9 @@ class Capturable(Protocol):
     read_failed: Chunk | None
     pulls: PullState
 
+    @property
+    def end_handed_out(self) -> bool: ...
+
     def reading(self, what: str = ...) -> Holding: ...
     def stamped_nodes(self) -> list[CentralNode[Any]]: ...
     def delivered_in_current(self) -> int: ...
@@ -141,7 +144,8 @@ class Capture:
                     skip.append(seq)
             if first and s.pulls.skip_first[0] == first_seq:
                 skip_outputs = s.pulls.skip_first[1]
-        if s.finished:
+        finished = s.end_handed_out
+        if finished:
             delivered_stamp = s.stamp_now()
         if s.pulls.resume:
             parts.append(pack_part(plain))
@@ -156,7 +160,7 @@ class Capture:
             ranges=ranges,
         )
         delivered = s.delivered + (s.delivered_in_current() if s.current is not None else 0)
-        return Captured(entry, s.finished, delivered, skipped)
+        return Captured(entry, finished, delivered, skipped)
 
     def delivered_stamp(self) -> Any:
         """Stamp of the count/shard stages as of the last delivered output:

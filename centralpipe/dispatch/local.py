@@ -10,7 +10,6 @@ The helper process of ``central="service"`` runs one too
 
 from __future__ import annotations
 
-import contextlib
 import os
 import weakref
 from collections.abc import Callable, Iterator
@@ -180,27 +179,20 @@ class LocalCentral:
         run = self._res.run
         return run is not None and run.stream.ready_ahead()
 
-    def step_back(self) -> None:
-        """The consumer never got the last output (delivered ahead): the
-        position goes back before it, for good (the pass is ending)."""
-        run = self._res.run
-        if run is not None:
-            run.stream.step_back()
-
-    @contextlib.contextmanager
-    def one_behind(self) -> Iterator[None]:
-        """Inside, the position is one output before the last delivered,
-        which a service's client holds unread: ``state()``, ``query()`` and
-        the rest describe the consumer's position. The output stays
-        delivered afterwards."""
+    def step_back(self) -> int:
+        """Move the position back before the last output, which the consumer
+        has not got (a service's client holds it, delivered ahead), so that
+        ``state()``, ``query()`` and the rest answer at the consumer's
+        position; returns what :meth:`step_to` takes to deliver it again."""
         run = self._res.run
         if run is None:
-            yield
-            return
-        position = run.stream.step_back()
-        try:
-            yield
-        finally:
+            raise RuntimeError("no pass to step back")
+        return run.stream.step_back()
+
+    def step_to(self, position: int) -> None:
+        """Undo :meth:`step_back`: the output is delivered again (nothing runs twice)."""
+        run = self._res.run
+        if run is not None:
             run.stream.step_to(position)
 
     def set_next_epoch(self, epoch: int) -> None:

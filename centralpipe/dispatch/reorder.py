@@ -421,6 +421,14 @@ class Stream:
                 result = self._take_pinned(chunk, result)
             self._begin(chunk, result)
 
+    @property
+    def end_handed_out(self) -> bool:
+        """The pass finished and its end reached the consumer: ``finished``
+        is set first, and an interrupt in :meth:`_end` (the next call
+        finishes it) must not make a checkpoint skip the end the consumer
+        has not seen (it would resume the next pass at once)."""
+        return self.finished and self._ended
+
     def _end(self) -> NoReturn:
         """Stop the stream and end the iteration (``StopIteration``, or the
         error that ended it); finished by the next call if cut short."""

@@ -21,7 +21,7 @@ surface as ``LocalCentral``: each call is one request and one reply.
   without failures (else it replies ``none`` and the client's next ``next``
   waits as before). While the client holds such an output unread, the
   service answers every other request one output back
-  (``LocalCentral.one_behind``: the stream's delivery position is stepped
+  (``LocalCentral.step_back``/``step_to``: the stream's delivery position is stepped
   back and forward again, nothing is run twice), and a request that ends the
   pass steps it back for good: ``state()``, ``query(delivered=True)`` and
   the rest are exactly the consumer's position. Large tensors and arrays
@@ -201,12 +201,18 @@ class Server:
     def handle_request(self, central: LocalCentral, op: str, args: tuple[Any, ...]) -> None:
         if self._ahead and op not in _DELIVERIES:
             # Whatever the request, it is answered at the client's position.
+            try:
+                position = central.step_back()
+            except Exception as exc:  # never expected: nothing to step back
+                self._reply("err", exc)
+                return
             if op in _ENDS_A_PASS:
-                self._ahead = False
-                central.step_back()
+                self._ahead = False  # the output is dropped with the pass
             else:
-                with central.one_behind():
+                try:
                     self._handle(central, op, args)
+                finally:
+                    central.step_to(position)  # delivered again: the client has it
                 return
         self._handle(central, op, args)
 

@@ -242,12 +242,13 @@ class ServiceClient:
             raise
         return reply
 
-    def _drain(self) -> None:
-        """Read the replies owed to calls that an interrupt cut short; an
-        owed ``next`` keeps its output for the pass's next ``next()``, an owed
-        ``start`` its pass for the next ``start()`` (the service started it:
-        starting again would skip an epoch)."""
-        while self._owed:
+    def _drain(self, keep: int = 0) -> None:
+        """Read the replies owed to calls that an interrupt cut short (and to
+        ``ahead`` requests), all but the last ``keep``; an owed ``next``
+        keeps its output for the pass's next ``next()``, an owed ``start``
+        its pass for the next ``start()`` (the service started it: starting
+        again would skip an epoch), an ``ahead`` its output."""
+        while len(self._owed) > keep:
             op, args = self._owed[0]
             reply = self._receive()
             self._owed.popleft()  # no call between the reply and its record
@@ -264,14 +265,28 @@ class ServiceClient:
             return self._call_locked(op, args)
 
     def _call_locked(self, op: str, args: tuple[Any, ...]) -> tuple[str, Any]:
-        self._drain_live()
-        held = self._held
-        if held is not None and held[0] == (op, args):
-            self._held = None
-            return held[1]  # what a cut-short call of the same request was getting
-        if op in _ENDS_A_PASS:
-            self._held = self._ahead = self._ready = None
-        self._send(op, args)
+        self._check_live()
+        owed = self._owed
+        if (
+            owed
+            and self._held is None
+            and op not in _ENDS_A_PASS
+            and all(o == "ahead" for o, _ in owed)
+        ):
+            # The request goes out at once, behind the ``ahead`` still owed:
+            # the service answers both in order (this one at the consumer's
+            # position), and one wait covers the two replies.
+            self._send(op, args)
+            self._drain(keep=1)
+        else:
+            self._drain()
+            held = self._held
+            if held is not None and held[0] == (op, args):
+                self._held = None
+                return held[1]  # what a cut-short call of the same request was getting
+            if op in _ENDS_A_PASS:
+                self._held = self._ahead = self._ready = None
+            self._send(op, args)
         kind, value = self._receive()
         self._owed.popleft()
         if kind == "err":
@@ -317,13 +332,16 @@ class ServiceClient:
         self._ready = None  # no call between this and the return
         return ready[1]
 
-    def _drain_live(self) -> None:
-        """Raise if the service is gone or the Loader closed; else read the
-        replies still owed (``_drain``)."""
+    def _check_live(self) -> None:
+        """Raise if the service is gone or the Loader closed."""
         if self._dead is not None:
             raise ServiceError(self._dead)
         if self._link.conn is None:
             raise RuntimeError("this Loader is closed.")
+
+    def _drain_live(self) -> None:
+        """:meth:`_check_live`, then read the replies still owed (``_drain``)."""
+        self._check_live()
         self._drain()
 
     def _send(self, op: str, args: tuple[Any, ...]) -> None:

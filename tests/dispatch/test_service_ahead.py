@@ -157,3 +157,25 @@ def test_metrics_count_the_output_held_ahead_as_not_delivered() -> None:
         _head(loader, 5)
         assert _holds_ahead(loader)
         assert loader.metrics()["dispatch"]["delivered"] == 5
+
+
+def test_a_call_right_after_next_goes_out_behind_the_ahead_request() -> None:
+    """query() and state_dict() called at once after next(), while the
+    ahead request is still owed, are sent behind it (one wait for both
+    replies) and still answer at the consumer's position."""
+    with cp.Loader(_pipe(), _config()) as loader:
+        it = iter(loader)
+        head = [next(it)]
+        _all_results_in(loader)
+        central = loader._central
+        assert isinstance(central, ServiceClient)
+        for k in range(2, 7):
+            head.append(next(it))
+            assert [op for op, _ in central._owed] == ["ahead"]
+            assert loader.query("seen", delivered=True) == {"items": k, "weight": k}
+        assert [op for op, _ in central._owed] == []
+        state = loader.state_dict()
+        assert head + list(it) == [double(i) for i in range(N)]
+    with cp.Loader(_pipe(), _config()) as loader:
+        loader.load_state_dict(state)
+        assert head + list(loader) == [double(i) for i in range(N)]

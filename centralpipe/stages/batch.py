@@ -217,6 +217,8 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
     ) -> None:
         super().__init__(source, name=name, ctx=ctx)
         self._len_fn = len_fn
+        #: The source hands out inputs in bulk (``pull_into``).
+        self._bulk = isinstance(source, CentralNode)
         self._max_tokens = max_tokens
         self._buffer_size = buffer_size
         self._min_len = min_len
@@ -283,11 +285,12 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
         held for the next call. The entry goes to the arena just before the
         push: an interrupt between them is finished by ``_settle``."""
         source, len_fn = self.source, self._len_fn
-        bulk = isinstance(source, CentralNode)
+        bulk = self._bulk
         min_len, max_len = self._min_len, self._max_len
         held = self.held
-        if self._arena.full():
-            self._arena.seal()  # bounds what it keeps between rare checkpoints
+        arena = self._arena
+        if not arena.off and arena.full():
+            arena.seal()  # bounds what it keeps between rare checkpoints
         while cap is None or len(heap) < cap:
             taken = self._taken
             if taken >= len(held):
@@ -322,7 +325,6 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
             entry = (length, arrival, item)
             self._arrivals = arrival + 1
             self._taken = taken + 1
-            arena = self._arena
             if not arena.off:
                 arena.pending.append(entry)
             heapq.heappush(heap, entry)
@@ -340,7 +342,9 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
         pop cut short there)."""
         heap, arena = self._heap, self._arena
         length, arrival, item = heap[0]
-        longest = max(length, self._batch_max)
+        longest = self._batch_max
+        if length > longest:
+            longest = length
         if self._padding:
             tokens = (len(self._batch) + 1) * longest
         else:

@@ -60,14 +60,31 @@ class Link:
     ring: ringreader.Ring | None = None
     pinner: Pinner | None = None
     exit_hook: Any = None
+    #: The client's replies still owed (``ServiceClient._owed``): read before
+    #: ``close`` is sent, so that a service writing one is never left blocked.
+    owed: Any = None
     #: How long a close waits for the service to end before stopping it.
     close_timeout_s: float = attrs.field(factory=lambda: timeouts.SERVICE_CLOSE_TIMEOUT_S)
+
+
+def _discard_owed(link: Link) -> None:
+    """Read and drop the replies the client still owes itself (an ``ahead``
+    above all): a service writing a reply larger than the socket's buffer
+    would not read ``close`` until it is read. Bounded; never raises."""
+    owed, conn = link.owed, link.conn
+    with contextlib.suppress(Exception):
+        while owed and conn is not None:
+            if not conn.poll(timeouts.SERVICE_CLOSE_TIMEOUT_S):
+                return
+            transport.recv(conn, link.ring)
+            owed.popleft()
 
 
 def shutdown(link: Link) -> None:
     """Ask the service to end, wait (bounded), then terminate and kill; close
     the connection, the ring and the pin thread. Takes no lock; idempotent."""
     proc, conn = link.proc, link.conn
+    _discard_owed(link)
     if proc is None:  # central="node" on a rank that did not start the service
         if conn is not None:
             with contextlib.suppress(OSError, ValueError):
@@ -121,23 +138,7 @@ class ServiceClient:
             name="centralpipe-service",
         )
         link = self._link = Link(proc=proc, path=path)
-        self._service_pid = 0
-        self._epoch = 0
-        self._dead: str | None = None
-        #: Requests sent whose replies are not read yet, oldest first (more
-        #: than the current one only after an interrupt cut a call short).
-        self._owed: collections.deque[tuple[str, tuple[Any, ...]]] = collections.deque()
-        #: The reply of a cut-short ``next`` or ``start``, for the same request next.
-        self._held: tuple[tuple[str, tuple[Any, ...]], tuple[str, Any]] | None = None
-        #: ``(pass id, output)`` the service delivered ahead (an ``ahead``
-        #: request), not handed to the consumer yet: the service answers every
-        #: other request as if it were not delivered.
-        self._ahead: tuple[int, Any] | None = None
-        #: ``(pass id, output)`` being handed to the consumer: kept across an
-        #: interrupt, so the next ``next()`` hands it out.
-        self._ready: tuple[int, Any] | None = None
-        self._lock = threading.Lock()
-        self._reads_lock = threading.Lock()
+        self._init_requests()
         try:
             try:
                 proc.start()
@@ -181,6 +182,28 @@ class ServiceClient:
         except BaseException:
             shutdown(link)
             raise
+
+    def _init_requests(self) -> None:
+        """The bookkeeping of requests and replies (before the first request)."""
+        self._service_pid = 0
+        self._epoch = 0
+        self._dead: str | None = None
+        #: Requests sent whose replies are not read yet, oldest first: an
+        #: ``ahead``, and more only after an interrupt cut a call short.
+        self._owed: collections.deque[tuple[str, tuple[Any, ...]]] = collections.deque()
+        self._link.owed = self._owed
+        #: The reply of a cut-short ``next`` or ``start``, for the same request next.
+        self._held: tuple[tuple[str, tuple[Any, ...]], tuple[str, Any]] | None = None
+        #: ``(pass id, reply)`` of an ``ahead`` request: an output the service
+        #: delivered ahead (or the error in its place), not handed to the
+        #: consumer yet; the service answers every other request as if it
+        #: were not delivered.
+        self._ahead: tuple[int, tuple[str, Any]] | None = None
+        #: ``(pass id, output)`` being handed to the consumer: kept across an
+        #: interrupt, so the next ``next()`` hands it out.
+        self._ready: tuple[int, Any] | None = None
+        self._lock = threading.Lock()
+        self._reads_lock = threading.Lock()
 
     @property
     def service_pid(self) -> int:
@@ -251,12 +274,14 @@ class ServiceClient:
         while len(self._owed) > keep:
             op, args = self._owed[0]
             reply = self._receive()
-            self._owed.popleft()  # no call between the reply and its record
+            # Recorded before the popleft (a C call, after which an interrupt
+            # may land): a reply is never read and then lost.
             if op == "ahead":
-                if reply[0] == "ok":
-                    self._ahead = (args[0], reply[1])
+                if reply[0] != "none":
+                    self._ahead = (args[0], reply)
             elif op in _KEPT and reply[0] != "err":
                 self._held = ((op, args), reply)
+            self._owed.popleft()
 
     def _call(self, op: str, *args: Any) -> tuple[str, Any]:
         """One request and its reply ``(kind, value)``; an error reply is raised.
@@ -287,8 +312,16 @@ class ServiceClient:
             if op in _ENDS_A_PASS:
                 self._held = self._ahead = self._ready = None
             self._send(op, args)
-        kind, value = self._receive()
-        self._owed.popleft()
+        reply = self._receive()
+        if op in _KEPT:
+            # Kept until the popleft has returned (an interrupt there: the
+            # next call of the same request gets it).
+            self._held = ((op, args), reply)
+            self._owed.popleft()
+            self._held = None
+        else:
+            self._owed.popleft()
+        kind, value = reply
         if kind == "err":
             raise value
         return kind, value
@@ -319,7 +352,11 @@ class ServiceClient:
             self._drain_live()
             ahead = self._ahead
             if ahead is not None and ahead[0] == pass_id:
-                self._ready, self._ahead = ahead, None
+                kind, value = ahead[1]
+                if kind == "err":  # in the output's place (e.g. it cannot be pickled)
+                    self._ahead = None
+                    raise value
+                self._ready, self._ahead = (pass_id, value), None
             else:
                 kind, value = self._call_locked("next", (pass_id,))
                 if kind == "end":

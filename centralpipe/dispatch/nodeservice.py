@@ -14,7 +14,6 @@ The service ends when every client has closed or died.
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
 import itertools
 import multiprocessing
@@ -330,13 +329,6 @@ class NodeClient(ServiceClient):
         directory = rendezvous.private_dir(rendezvous.job_key())
         path = str(socket_path(directory, k))
         tpath = token_path(directory, k)
-        self._service_pid = 0
-        self._epoch = 0
-        self._dead: str | None = None
-        self._owed: collections.deque[tuple[str, tuple[Any, ...]]] = collections.deque()
-        self._held: tuple[tuple[str, tuple[Any, ...]], tuple[str, Any]] | None = None
-        self._lock = threading.Lock()
-        self._reads_lock = threading.Lock()
         with_ring = ringreader.available()
         proc: Any = None
         if local == 0:
@@ -351,6 +343,7 @@ class NodeClient(ServiceClient):
                 name="centralpipe-node-service",
             )
         link = self._link = Link(proc=proc, path=path if local == 0 else "")
+        self._init_requests()
         link.close_timeout_s = timeouts.STALL_TIMEOUT_S
         try:
             if proc is not None:

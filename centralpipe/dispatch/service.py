@@ -167,6 +167,8 @@ class Server:
         #: The client holds the last output unread: it came from an ``ahead``
         #: request, and no ``next`` or ``ahead`` has followed it yet.
         self._ahead = False
+        #: A request is being answered with the position stepped back.
+        self._behind = False
 
     def run(
         self,
@@ -183,7 +185,7 @@ class Server:
         try:
             threading.Thread(
                 target=_serve_reads,
-                args=(central, control, lambda: self._ahead),
+                args=(central, control, lambda: self._ahead and not self._behind),
                 name="centralpipe-service-reads",
                 daemon=True,
             ).start()
@@ -209,10 +211,12 @@ class Server:
             if op in _ENDS_A_PASS:
                 self._ahead = False  # the output is dropped with the pass
             else:
+                self._behind = True
                 try:
                     self._handle(central, op, args)
                 finally:
                     central.step_to(position)  # delivered again: the client has it
+                    self._behind = False
                 return
         self._handle(central, op, args)
 
@@ -257,9 +261,15 @@ class Server:
         except Exception as exc:
             self._reply("err", exc)
             return
-        self._reply("ok", value)
+        if not self._reply("ok", value):
+            # The output went as an error in its place: the client raises it
+            # there, as delivered (the pass goes on after it), not held.
+            self._ahead = False
 
-    def _reply(self, kind: str, value: Any) -> None:
+    def _reply(self, kind: str, value: Any) -> bool:
+        """Send one reply; ``False`` if ``value`` could not be pickled and an
+        error naming it went instead."""
+        sent = True
         try:
             msg = transport.dumps((kind, value))
         except Exception as exc:  # e.g. an exception or output that cannot be pickled
@@ -269,7 +279,9 @@ class Server:
                 f"{transport.exception_text(exc)}; make it picklable."
             )
             msg = transport.dumps(("err", err))
+            sent = False
         transport.write(self._conn, msg, self._ring)
+        return sent
 
 
 def state_to_bytes(state_dict: Any) -> bytes:

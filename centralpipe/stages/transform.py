@@ -114,7 +114,8 @@ class Map(_OneHeld):
             raise
 
     def produce_into(self, out: list[Any], n: int) -> None:
-        """Up to ``n`` outputs from at most ``MAP_BULK`` inputs pulled at once.
+        """Up to ``n`` outputs from at most ``MAP_BULK`` inputs pulled at once
+        (or held: a loaded state may hold more than ``n``).
 
         The inputs wait in ``held`` (saved by a checkpoint). Each leaves it
         only once ``fn`` has returned, and its output is appended right
@@ -135,7 +136,7 @@ class Map(_OneHeld):
             except StopIteration:
                 if not held:
                     raise
-        while held:
+        for _ in range(min(n, len(held))):
             item = held[0]
             try:
                 value = fn(item)

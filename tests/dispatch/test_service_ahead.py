@@ -3,6 +3,8 @@ works, and still answers every call at the consumer's position."""
 
 from __future__ import annotations
 
+import collections
+import threading
 import time
 from typing import Any
 
@@ -54,7 +56,7 @@ def _all_results_in(loader: cp.Loader[Any]) -> None:
     while sum(loader.metrics()["dispatch"]["items_per_worker"]) < N:
         assert time.monotonic() < deadline, "the workers did not finish in 60 s"
         time.sleep(0.01)
-    time.sleep(STEP_S)
+    time.sleep(0.2)  # the count moves just before the result is stored
 
 
 def _head(loader: cp.Loader[Any], k: int) -> tuple[list[Any], Any]:
@@ -145,6 +147,8 @@ def test_process_and_service_states_agree_on_the_delivered_position() -> None:
     for central in ("process", "service"):
         with cp.Loader(_pipe(), _config(central)) as loader:
             _head(loader, 6)
+            if central == "service":
+                assert _holds_ahead(loader)
             states[central] = loader.state_dict()
     assert states["service"]["delivered_stamp"] == states["process"]["delivered_stamp"]
     assert states["service"]["epoch"] == states["process"]["epoch"]
@@ -179,3 +183,83 @@ def test_a_call_right_after_next_goes_out_behind_the_ahead_request() -> None:
     with cp.Loader(_pipe(), _config()) as loader:
         loader.load_state_dict(state)
         assert head + list(loader) == [double(i) for i in range(N)]
+
+
+def unpicklable_at_2(x: int) -> Any:
+    return threading.Lock() if x == 2 else x
+
+
+def test_an_output_that_cannot_cross_ahead_is_an_error_in_its_place() -> None:
+    """An output delivered ahead that cannot be pickled is the error raised
+    in its place (as without the ahead request), never silently skipped; the
+    pass goes on after it."""
+    pipe = cp.Pipeline.from_iterable(range(8)).dispatch().map(unpicklable_at_2)
+    workers = cp.WorkerConfig(num_workers=0, chunk_size=4)
+    with cp.Loader(pipe, cp.LoaderConfig(workers=workers, central="service")) as loader:
+        it = iter(loader)
+        got = [next(it), next(it)]
+        time.sleep(STEP_S)
+        with pytest.raises(RuntimeError, match="could not send a reply"):
+            next(it)
+        got += list(it)
+    assert got == [0, 1, 3, 4, 5, 6, 7]
+
+
+def big_list(x: int) -> list[int]:
+    return [x] * 2_000_000  # pickled, ~10 MB: more than a socket's 4 MiB buffer; not ring-able
+
+
+def test_close_with_a_large_output_held_ahead_is_quick_and_clean() -> None:
+    """Breaking out of a pass whose next output (larger than the socket's
+    buffer) was already on its way, then close(): the service reads close,
+    ends by itself (exit code 0) and nothing is killed."""
+    pipe = cp.Pipeline.from_iterable(range(6)).dispatch().map(big_list)
+    config = cp.LoaderConfig(
+        workers=cp.WorkerConfig(num_workers=1, start_method="fork", chunk_size=1),
+        central="service",
+    )
+    loader = cp.Loader(pipe, config)
+    it = iter(loader)
+    assert next(it)[0] == 0
+    time.sleep(1.0)  # the next results are in: the ahead after the next output is delivered
+    assert next(it)[0] == 1
+    time.sleep(0.5)  # the ahead reply is being written, blocked on the full socket
+    central = loader._central
+    assert isinstance(central, ServiceClient)
+    assert [op for op, _ in central._owed] == ["ahead"]
+    proc = central._link.proc
+    started = time.monotonic()
+    loader.close()
+    assert time.monotonic() - started < 5.0
+    assert proc.exitcode == 0
+
+
+class _CutPop(collections.deque):  # type: ignore[type-arg]
+    """The client's owed replies, whose next popleft() is followed by a
+    KeyboardInterrupt, as a SIGINT lands when that C call returns."""
+
+    armed = False
+
+    def popleft(self) -> Any:
+        value = super().popleft()
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        return value
+
+
+def test_an_interrupt_after_an_ahead_reply_is_read_loses_nothing() -> None:
+    """A Ctrl-C as the ahead reply's record leaves the queue of owed replies:
+    the next next() hands that output out; every output arrives once."""
+    with cp.Loader(_pipe(), _config()) as loader:
+        head, it = _head(loader, 3)
+        central = loader._central
+        assert isinstance(central, ServiceClient)
+        cut = _CutPop(central._owed)
+        central._owed = central._link.owed = cut
+        time.sleep(STEP_S)
+        cut.armed = True
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+        assert not cut.armed
+        assert head + list(it) == [double(i) for i in range(N)]

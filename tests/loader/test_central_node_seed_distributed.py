@@ -94,19 +94,21 @@ def test_small_bucket_buffer_equals_process_mode(compared: list[dict[str, Any]])
 
 def test_two_node_ranks_resume_on_one_process_rank(compared: list[dict[str, Any]]) -> None:
     """Both ranks' node-mode states after STEP batches, merged, resume on one
-    rank in process mode with every batch neither rank delivered."""
+    rank in process mode with every batch neither rank delivered, and in
+    service mode with the same batches."""
     heads = compared[0]["head"] + compared[1]["head"]
     rest = compared[0]["merged_rest_one_rank"]
     assert Counter(heads + rest) == Counter(compared[0]["whole_epoch_one_rank"])
+    assert compared[0]["merged_rest_one_rank_service"] == rest
 
 
 def test_two_node_ranks_resume_on_three_ranks(out: Path, compared: list[dict[str, Any]]) -> None:
-    """The merged node-mode states resume on 3 ranks in node mode exactly as
-    in process mode, and with the 2 ranks' heads they make the epoch (less
+    """The merged node-mode states resume on 3 ranks in node and service mode
+    exactly as in process mode, and with the 2 ranks' heads they make the epoch (less
     the at most 2 batches drop_last drops on 3 ranks)."""
     three = _launch(out, "three", 3)
     for result in three:
-        assert result["node"] == result["process"]
+        assert result["node"] == result["process"] == result["service"]
         assert result["node"]
     together = Counter(compared[0]["head"] + compared[1]["head"])
     for result in three:

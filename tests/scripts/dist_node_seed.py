@@ -8,7 +8,7 @@ OUT PHASE``, one launch per phase; batches are written as digests:
 - ``compare`` (2 ranks): each rank's epoch in ``process`` and ``node`` mode
   at 0-3 workers; a state of each rank after ``STEP`` batches in node mode
   (``OUT/common-rank<r>.pt``), the merge of both resumed on one rank in
-  process mode; the error local rank 0 gets when local rank 1 stops reading;
+  process and in service mode; the error local rank 0 gets when local rank 1 stops reading;
 - ``kill MODE`` (2 ranks, ``central=MODE``): both ranks save at ``STEP``
   (``OUT/kill-MODE-rank<r>.pt``), then local rank 1 kills itself with SIGKILL
   a few batches later; each rank writes the pids of its service(s) and of
@@ -16,7 +16,7 @@ OUT PHASE``, one launch per phase; batches are written as digests:
 - ``restart MODE`` (2 ranks): both ranks load their ``kill MODE`` states in
   that mode;
 - ``three`` (3 ranks): every rank loads the merge of the ``compare`` states,
-  in node and in process mode.
+  in node, process and service mode.
 """
 
 from __future__ import annotations
@@ -120,6 +120,9 @@ def compare() -> dict[str, Any]:
         out["whole_epoch_one_rank"] = digests(loader)
         loader.load_state_dict(cp.merge_states(states))
         out["merged_rest_one_rank"] = digests(loader)
+    with cp.Loader(pipe, config("service", rank=0)) as loader:
+        loader.load_state_dict(cp.merge_states(states))
+        out["merged_rest_one_rank_service"] = digests(loader)
     out["stalled"] = _stalled(pipe, rank)
     return out
 
@@ -177,7 +180,7 @@ def three() -> dict[str, Any]:
     states = [torch.load(OUT / f"common-rank{r}.pt", weights_only=True) for r in range(2)]
     merged = cp.merge_states(states)
     out: dict[str, Any] = {}
-    for mode in ("node", "process"):
+    for mode in ("node", "process", "service"):
         with cp.Loader(small_buffer(), config(mode)) as loader:
             loader.load_state_dict(merged)
             out[mode] = digests(loader)

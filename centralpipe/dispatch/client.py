@@ -20,11 +20,14 @@ import collections
 import contextlib
 import itertools
 import multiprocessing
+import operator
 import os
+import struct
 import threading
 import weakref
 from collections.abc import Iterator
 from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import attrs
@@ -42,6 +45,11 @@ __all__ = ["Link", "ServiceClient", "shutdown"]
 
 
 _IDS = itertools.count()
+#: A request this small is one frame written by one ``os.write`` (a socket
+#: with room takes it whole), recorded together with its write.
+_ONE_WRITE_BYTES = 4096
+#: ``multiprocessing.connection``'s frame header: the payload's length.
+_FRAME_LEN = struct.Struct("!i")
 #: Requests whose reply a cut-short call keeps for the same request next
 #: (``ServiceClient._drain``): an output, a started pass.
 _KEPT = ("next", "start")
@@ -382,15 +390,57 @@ class ServiceClient:
         self._drain()
 
     def _send(self, op: str, args: tuple[Any, ...]) -> None:
-        """Send a request whose reply a later call reads (``_drain``)."""
+        """Send a request whose reply a later call reads (``_drain``).
+
+        Its record in ``_owed`` and its write happen together: a request
+        recorded but never written would have the next call wait forever
+        for its reply, one written but not recorded would put every later
+        reply out of step. A small request (all but ``load``'s state) is
+        recorded and written in one C call (no interrupt is handled between
+        two steps of one C call); a larger one the usual way."""
         conn = self._link.conn
         assert conn is not None
-        self._owed.append((op, args))
+        entry = (op, args)
+        payload = ForkingPickler.dumps(entry)
+        if len(payload) > _ONE_WRITE_BYTES:
+            self._owed.append(entry)
+            try:
+                conn.send_bytes(payload)
+            except OSError:
+                self._owed.pop()
+                self._died("before a request")
+            return
+        frame = _FRAME_LEN.pack(len(payload)) + bytes(payload)
+        steps = ((self._owed.append, entry), (os.write, conn.fileno(), frame))
+        last: collections.deque[Any] = collections.deque(maxlen=1)
         try:
-            conn.send((op, args))
-        except OSError:
-            self._owed.pop()
-            self._died("before a request")
+            last.extend(itertools.starmap(operator.call, steps))
+        except BaseException as exc:
+            if not last or last[-1] is None:  # the write failed or was cut before a byte
+                self._owed.pop()
+                if isinstance(exc, OSError):
+                    self._died("before a request")
+                raise
+            # Written; an interrupt handled as the call returned.
+            if last[-1] != len(frame):
+                self._cut_request()
+            raise
+        if last[-1] != len(frame):  # a socket short of room took part of it
+            try:
+                rest = frame[last[-1] :]
+                while rest:
+                    rest = rest[os.write(conn.fileno(), rest) :]
+            except BaseException:
+                self._cut_request()
+                raise
+
+    def _cut_request(self) -> None:
+        """A request was cut in half: the connection is out of step."""
+        self._dead = (
+            "an interrupt cut a request to the central service in half; this Loader "
+            "cannot go on: close it, create a new one and load_state_dict() the "
+            "last checkpoint."
+        )
 
     def stop(self) -> None:
         self._call("stop")

@@ -4,6 +4,8 @@ works, and still answers every call at the consumer's position."""
 from __future__ import annotations
 
 import collections
+import os
+import sys
 import threading
 import time
 from typing import Any
@@ -262,4 +264,70 @@ def test_an_interrupt_after_an_ahead_reply_is_read_loses_nothing() -> None:
         with pytest.raises(KeyboardInterrupt):
             next(it)
         assert not cut.armed
+        assert head + list(it) == [double(i) for i in range(N)]
+
+
+def _cut_write() -> Any:
+    """``os.write`` whose next call raises KeyboardInterrupt before writing a
+    byte, as a SIGINT does when it interrupts the system call."""
+    real = os.write
+    state = {"armed": False, "fired": False}
+
+    def write(fd: int, data: Any) -> int:
+        if state["armed"]:
+            state["armed"], state["fired"] = False, True
+            raise KeyboardInterrupt
+        return real(fd, data)
+
+    write.state = state  # type: ignore[attr-defined]
+    return write
+
+
+def _interrupt_after_the_write(state: dict[str, bool]) -> Any:
+    """A profile function raising KeyboardInterrupt as the client's
+    record-and-write C call returns (where CPython handles a SIGINT that
+    came meanwhile), once ``state["armed"]``."""
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if (
+            state["armed"]
+            and event == "c_return"
+            and frame.f_code.co_name == "_send"
+            and getattr(arg, "__name__", "") == "extend"
+        ):
+            state["armed"], state["fired"] = False, True
+            sys.setprofile(None)
+            raise KeyboardInterrupt
+
+    return profile
+
+
+@pytest.mark.parametrize("cut_before", [True, False], ids=["before-write", "after-write"])
+def test_an_interrupt_at_the_request_write_never_hangs_or_loses(
+    monkeypatch: pytest.MonkeyPatch, cut_before: bool
+) -> None:
+    """A Ctrl-C landing as the request for the next output is written (before
+    any byte, or as the write returns): the client's record of owed replies
+    matches what was sent, so the next calls neither wait for a reply that
+    will never come nor read one out of step; every output arrives once."""
+    with cp.Loader(_pipe(), _config()) as loader:
+        head, it = _head(loader, 3)
+        if cut_before:
+            write = _cut_write()
+            monkeypatch.setattr(os, "write", write)
+            state = write.state
+            state["armed"] = True
+            with pytest.raises(KeyboardInterrupt):
+                next(it)  # its output is kept; the interrupt lands at the ahead request
+            monkeypatch.undo()
+        else:
+            state = {"armed": True, "fired": False}
+            sys.setprofile(_interrupt_after_the_write(state))
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    next(it)
+            finally:
+                sys.setprofile(None)
+        assert state["fired"]
+        assert loader.query("seen", delivered=True)["items"] >= 3
         assert head + list(it) == [double(i) for i in range(N)]

@@ -35,7 +35,7 @@ import attrs
 from centralpipe.config import LoaderConfig
 from centralpipe.dispatch import rendezvous, timeouts
 from centralpipe.dispatch.pinning import Pinner, make_pinner
-from centralpipe.dispatch.service import serve, state_to_bytes
+from centralpipe.dispatch.service import ENDS_A_PASS, serve, state_to_bytes
 from centralpipe.dispatch.wire import ringreader, transport
 from centralpipe.errors import PipelineError, ServiceError
 from centralpipe.plan.pipeline import Pipeline
@@ -53,8 +53,6 @@ _FRAME_LEN = struct.Struct("!i")
 #: Requests whose reply a cut-short call keeps for the same request next
 #: (``ServiceClient._drain``): an output, a started pass.
 _KEPT = ("next", "start")
-#: Requests after which such a kept reply is void.
-_ENDS_A_PASS = ("start", "stop", "load", "set_next_epoch")
 
 
 @attrs.define
@@ -303,7 +301,7 @@ class ServiceClient:
         if (
             owed
             and self._held is None
-            and op not in _ENDS_A_PASS
+            and op not in ENDS_A_PASS
             and all(o == "ahead" for o, _ in owed)
         ):
             # The request goes out at once, behind the ``ahead`` still owed:
@@ -317,7 +315,7 @@ class ServiceClient:
             if held is not None and held[0] == (op, args):
                 self._held = None
                 return held[1]  # what a cut-short call of the same request was getting
-            if op in _ENDS_A_PASS:
+            if op in ENDS_A_PASS:
                 self._held = self._ahead = self._ready = None
             self._send(op, args)
         reply = self._receive()

@@ -72,7 +72,7 @@ from centralpipe.dispatch.worker.loop import main_alive
 from centralpipe.errors import ServiceError
 from centralpipe.plan.pipeline import Pipeline
 
-__all__ = ["Server", "serve"]
+__all__ = ["ENDS_A_PASS", "Server", "serve"]
 
 
 _SUPERSEDED = (
@@ -208,7 +208,7 @@ class Server:
             except Exception as exc:  # never expected: nothing to step back
                 self._reply("err", exc)
                 return
-            if op in _ENDS_A_PASS:
+            if op in ENDS_A_PASS:
                 self._ahead = False  # the output is dropped with the pass
             else:
                 self._behind = True
@@ -306,8 +306,9 @@ _READS = ("state", "total", "length", "worker_states")
 #: sent by the client as it hands an output to its consumer, takes it only
 #: if it is there now and can be stepped back (else the reply is ``none``).
 _DELIVERIES = ("next", "ahead")
-#: Requests that end the pass: an output the client holds unread is dropped.
-_ENDS_A_PASS = ("start", "stop", "load", "set_next_epoch")
+#: Requests that end the pass: an output the client holds unread (or kept
+#: from a cut-short call) is dropped, on both sides.
+ENDS_A_PASS = ("start", "stop", "load", "set_next_epoch")
 #: Reads that never wait (``LocalCentral`` answers them from any thread): served
 #: on their own connection, so they are not queued behind a ``next()``.
 _NEVER_WAIT = ("metrics", "worker_pids")

@@ -153,11 +153,11 @@ def run_as_worker(s: Stream, chunk: Chunk) -> ChunkResult:
 
 
 def send_chunk(session: Supervisor, s: Stream, chunk: Chunk) -> None:
-    """Send ``chunk`` to its worker (round-robin for a new one), unless that
-    worker already has it or its result is in."""
+    """Send ``chunk`` to its worker (round-robin within its stream for a
+    new one), unless that worker already has it or its result is in."""
     ex = session.executor
     if chunk.slot < 0:
-        chunk.assign(session.next_slot())
+        chunk.assign(session.next_slot(s.stream_id))
     slot = ex.slots[chunk.slot]
     # ``session.sending`` tells a stop that this thread waits on a worker, not
     # on a central stage (FeederDriver.in_central). A send from inside a

@@ -95,7 +95,8 @@ class Supervisor:
         self.stopping = False
         self.strikes: dict[tuple[int, int], int] = defaultdict(int)
         self.states: dict[int, Any] = {}
-        self._rr = 0
+        #: The next slot of each stream (by ``stream_id``): see :meth:`next_slot`.
+        self._rr: dict[int, int] = {}
         self._owed_since: dict[int, float] = {}
         #: Bytes of received results not yet delivered, bounded by ``buffer_bytes``
         #: and by what the workers' rings can lend (read further ahead, results
@@ -124,10 +125,17 @@ class Supervisor:
         self.launched = True
         self.thread.start()
 
-    def next_slot(self) -> int:
-        """Round-robin over the workers, across every stream."""
-        index = self._rr
-        self._rr = (index + 1) % len(self.executor.slots)
+    def next_slot(self, stream_id: int) -> int:
+        """Round-robin over the workers, each stream on its own: the k-th
+        chunk of stream ``i`` goes to worker ``(i + k) % num_workers``.
+
+        One turn shared by every stream would let their interleaving decide
+        the load: a parallel stage's chunks alternating with the dispatch
+        boundary's, on 2 workers, would all land on one worker and the
+        boundary's on the other, however unequal their costs."""
+        n = len(self.executor.slots)
+        index = self._rr.get(stream_id, stream_id % n)
+        self._rr[stream_id] = (index + 1) % n
         return index
 
     def notify(self) -> None:

@@ -24,6 +24,8 @@ N = 200
 BLOCK_AT = 50
 #: The longest any test waits for a blocked call to be released.
 RELEASE_S = 60.0
+#: The item a parallel stage hangs on, and the outputs taken before it is needed.
+HUNG, TAKEN = 4, 1
 
 
 def _times2(x: int) -> int:
@@ -215,6 +217,15 @@ def _wait_until_inside(loader: cp.Loader[Any], stage: str) -> None:
     raise AssertionError(f"the central chain never entered stage {stage!r}")
 
 
+def _wait_for_count(loader: cp.Loader[Any], stage: str, n: int) -> None:
+    """Wait until the count ``stage`` has seen ``n`` items (its query is live)."""
+    for _ in range(int(RELEASE_S / 0.01)):
+        if loader.query(stage)["items"] >= n:
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError(f"the count {stage!r} never saw {n} items")
+
+
 class Gate:
     """A function for a parallel stage that blocks on item ``at`` until released."""
 
@@ -236,8 +247,14 @@ def test_readers_waiting_for_a_parallel_stage_time_out_naming_it(
 ) -> None:
     """A parallel stage waiting for a hung worker: state_dict() and query()
     of a stage without a live view raise TimeoutError naming it after the
-    bound (a count's live query answers at once); close() does not wait."""
-    gate = Gate(at=10)
+    bound (a count's live query answers at once); close() does not wait.
+
+    Item ``HUNG`` hangs. Chunks go round-robin within each stream (its
+    first chunk to worker ``stream id % workers``): the tok stage (stream 0)
+    sends its first 8 items at once, ``HUNG`` (even) to worker 0, and the
+    boundary's first chunk (stream 1) goes to worker 1, so ``TAKEN`` output
+    comes; the next one assigned to worker 0 waits behind the hung item."""
+    gate = Gate(at=HUNG)
     pipe = (
         cp.Pipeline.from_iterable(range(N))
         .map(gate, parallel=True, name="tok")
@@ -250,22 +267,23 @@ def test_readers_waiting_for_a_parallel_stage_time_out_naming_it(
     loader = cp.Loader(pipe, config)
     try:
         it = iter(loader)
-        got = [next(it) for _ in range(10)]  # the feeder now needs item 10
-        _wait_until_inside(loader, "tok")
+        got = [next(it) for _ in range(TAKEN)]
+        _wait_for_count(loader, "c", HUNG)
+        _wait_until_inside(loader, "tok")  # so the feeder needs item HUNG
         with pytest.raises(TimeoutError, match="parallel stage 'tok' is still waiting"):
             _bounded(loader.state_dict)
         with pytest.raises(TimeoutError, match="'tok'"):
             _bounded(lambda: loader.query("tok"))
-        assert _bounded(lambda: loader.query("c"))["items"] == 10
+        assert _bounded(lambda: loader.query("c"))["items"] == HUNG
         short_wait()
         gate.release.set()
         sd = loader.state_dict()
         assert got + list(it) == expected
-        gate.at = 3
         gate.release.clear()
         gate.blocked.clear()
         it = iter(loader)
-        assert [next(it) for _ in range(3)] == expected[:3]
+        assert [next(it) for _ in range(TAKEN)] == expected[:TAKEN]
+        _wait_for_count(loader, "c", HUNG)
         _wait_until_inside(loader, "tok")
         _bounded(loader.close)
     finally:

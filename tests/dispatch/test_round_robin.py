@@ -1,0 +1,80 @@
+"""Chunks go round-robin to the workers within each stream.
+
+A parallel central stage and the dispatch boundary are two streams over the
+same workers. With one turn shared by both, their interleaving decided the
+load: on the motivating pipeline (a tokenizer stage, then a pad after
+``dispatch()``), a tokenizer chunk and a pad chunk went out in turn, so on 2
+workers every tokenizer chunk landed on one worker and every pad chunk on the
+other, and the second worker idled a fifth of the time. Each stream now has
+its own turn: its k-th chunk goes to worker ``(stream + k) % num_workers``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import centralpipe as cp
+from centralpipe.dispatch.supervisor import Supervisor
+from tests.fns import faulty
+from tests.fns import fused as f
+
+N = 240
+CHUNK = 10
+
+
+class _Pool:
+    def __init__(self, n: int) -> None:
+        self.slots = [object() for _ in range(n)]
+
+
+def _supervisor(workers: int) -> Supervisor:
+    sup = Supervisor.__new__(Supervisor)
+    sup.executor = _Pool(workers)  # type: ignore[assignment]
+    sup._rr = {}
+    return sup
+
+
+def test_streams_sent_in_turn_each_alternate_workers() -> None:
+    """Two streams whose chunks go out in strict turn: each stream's chunks
+    still alternate between the 2 workers (a shared turn gave stream 0
+    worker 0 and stream 1 worker 1 every time)."""
+    sup = _supervisor(2)
+    sent: dict[int, list[int]] = {0: [], 1: []}
+    for _ in range(4):
+        for stream in (0, 1):
+            sent[stream].append(sup.next_slot(stream))
+    assert sent == {0: [0, 1, 0, 1], 1: [1, 0, 1, 0]}
+
+
+def test_each_stream_starts_at_its_own_worker_and_cycles() -> None:
+    """Stream i starts at worker i mod n, then cycles over all n workers,
+    whatever the other streams do."""
+    sup = _supervisor(3)
+    got = [(s, sup.next_slot(s)) for s in (0, 1, 1, 2, 0, 4, 1, 0, 2, 4, 4)]
+    assert got == [
+        (0, 0), (1, 1), (1, 2), (2, 2), (0, 1), (4, 1), (1, 0), (0, 2), (2, 0), (4, 2), (4, 0),
+    ]  # fmt: skip
+    one = _supervisor(1)
+    assert {one.next_slot(s) for s in range(5)} == {0}
+
+
+def _loader(workers: int) -> cp.Loader[Any]:
+    pipe = cp.Pipeline.from_iterable(range(N)).map(f.double, parallel=True, name="a")
+    pipe = pipe.dispatch().map(faulty.identity)
+    cfg = cp.WorkerConfig(
+        num_workers=workers, start_method="fork", chunk_size=CHUNK, buffer_size=6 * CHUNK
+    )
+    return cp.Loader(pipe, cp.LoaderConfig(workers=cfg))
+
+
+def test_a_parallel_stage_and_the_boundary_each_share_the_workers_evenly() -> None:
+    """With fixed chunks, each stream's items split evenly over the workers:
+    the parallel stage's and the boundary's alike (N / CHUNK chunks a
+    stream, so exactly N / workers items each)."""
+    for workers in (2, 3):
+        with _loader(workers) as loader:
+            assert list(loader) == [2 * x for x in range(N)]
+            m = loader.metrics()
+        even = [N // workers] * workers
+        assert m["a"]["parallel"]["items_per_worker"] == even, workers
+        assert m["dispatch"]["items_per_worker"] == even, workers

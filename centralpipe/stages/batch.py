@@ -263,7 +263,8 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
                 self._ready = None
                 return ready
             if not self._draining:
-                self._fill(heap, cap)
+                self._fill(heap, cap)  # returns with a batch ready, or draining
+                continue
             if not heap:
                 if self._batch:
                     out, self._batch = self._batch, []
@@ -273,8 +274,9 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
             self._pop_one()
 
     def _fill(self, heap: list[tuple[int, int, Any]], cap: int | None) -> None:
-        """Push inputs until the heap holds ``cap`` items (a full heap pops
-        one) or the source ends (then ``draining``).
+        """Push inputs until a batch is ready (a full heap pops its shortest
+        into the batch before each push: :meth:`_pop_one`) or the source
+        ends (then ``draining``).
 
         Inputs are pulled ``PULL_BULK`` at a time into ``held``; ``held[:_taken]``
         are already pushed or dropped. Each input moves from ``held`` to the
@@ -289,9 +291,16 @@ class BucketByMaxTokens(CentralNode[list[Any]]):
         min_len, max_len = self._min_len, self._max_len
         held = self.held
         arena = self._arena
-        if not arena.off and arena.full():
-            arena.seal()  # bounds what it keeps between rare checkpoints
-        while cap is None or len(heap) < cap:
+        while True:
+            if cap is not None and len(heap) >= cap:
+                # The steady state: one pop per push, here rather than a
+                # return to produce() and a call back for every input.
+                self._pop_one()
+                if self._ready is not None:
+                    return
+                continue
+            if not arena.off and arena.full():
+                arena.seal()  # bounds what it keeps between rare checkpoints
             taken = self._taken
             if taken >= len(held):
                 if held:

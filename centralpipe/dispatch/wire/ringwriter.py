@@ -269,14 +269,15 @@ def stash(obj: Any, ring: RingWriter) -> Any:
     """``obj``, or a :class:`RingRef` to a copy of it in ``ring`` (see the
     module docstring); never raises."""
     cls = type(obj)
-    # torch.Tensor from sys.modules: a worker whose functions need no torch
-    # never imports it (see dispatch.preload); without torch, no tensor.
-    torch = sys.modules.get("torch")
     try:
+        if cls is np.ndarray:
+            # Small arrays (a line's tokens) are the common case: size first.
+            return obj if obj.nbytes < MIN_RING_BUFFER_BYTES else _stash_array(obj, ring)
+        # torch.Tensor from sys.modules: a worker whose functions need no torch
+        # never imports it (see dispatch.preload); without torch, no tensor.
+        torch = sys.modules.get("torch")
         if torch is not None and cls is torch.Tensor:
             return _stash_tensor(obj, ring)
-        if cls is np.ndarray:
-            return _stash_array(obj, ring)
     except Exception:  # an odd tensor or array: sent the usual way
         return obj
     return obj

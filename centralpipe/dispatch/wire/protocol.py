@@ -73,6 +73,7 @@ __all__ = [
     "status_idle",
     "status_stage",
     "unseal_outputs",
+    "writable_status",
 ]
 
 MSG_CHUNK = 1
@@ -84,6 +85,17 @@ STATUS_VERSION, STATUS_SEQ, STATUS_STARTED, STATUS_STAGE, STATUS_STREAM, STATUS_
 STATUS_LEN = 6
 #: Reads of a status array retried while the worker is writing it.
 _STATUS_READ_TRIES = 1000
+
+
+def writable_status(raw: Any) -> Any:
+    """A worker's view of its status slots (a shared ``RawArray("d")``) for
+    writing: a memoryview of its doubles, whose item writes cost a third of
+    the ctypes array's (one status write per item and stage). The same
+    bytes: the main process reads the array itself (:func:`read_status`)."""
+    try:
+        return memoryview(raw).cast("B").cast("d")
+    except (TypeError, ValueError):  # not a buffer of doubles (a thread's list)
+        return raw
 
 
 def status_begin(status: Any, stream: int, seq: int, stage: int) -> None:

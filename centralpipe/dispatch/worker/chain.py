@@ -67,33 +67,34 @@ class WorkerChain:
         fns = self._plain_maps
         assert fns is not None
         keep = self.keep
-        if keep is None:
-            append = outputs.append
-        else:
-
-            def append(out: Any) -> None:
-                outputs.append(keep(out))
-
+        append = outputs.append
         k = 0
         try:
-            if status is None:
-                if len(fns) == 1:
-                    (fn,) = fns
+            if status is None and len(fns) == 1:
+                (fn,) = fns
+                if keep is None:
                     for item in items:
                         append(fn(item))
                 else:
                     for item in items:
-                        for k, fn in enumerate(fns):  # noqa: B007 - k is read by the except
-                            item = fn(item)
-                        append(item)
+                        append(keep(fn(item)))
+            elif status is None:
+                for item in items:
+                    for k, fn in enumerate(fns):  # noqa: B007 - k is read by the except
+                        item = fn(item)
+                    append(item if keep is None else keep(item))
             else:
+                single = len(fns) == 1
                 for i, item in enumerate(items):
                     status_begin(status, stream, first_seq + i, 0)
-                    for k, fn in enumerate(fns):
-                        if k:
-                            status_stage(status, k)
-                        item = fn(item)
-                    append(item)
+                    if single:
+                        item = fns[0](item)
+                    else:
+                        for k, fn in enumerate(fns):
+                            if k:
+                                status_stage(status, k)
+                            item = fn(item)
+                    append(item if keep is None else keep(item))
         except Exception as exc:
             name = self._stages[k][1]
             return StageFailure(

@@ -194,7 +194,7 @@ def worker_main(
         threads.limit()  # torch may have come with the message or the last chunk
         return message
 
-    serve(recv, send_result, send_states, spec, status, current_run)
+    serve(recv, send_result, send_states, spec, protocol.writable_status(status), current_run)
     conn.close()
     sys.exit(0)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 import centralpipe as cp
 from centralpipe.dispatch.supervisor import Supervisor
 from tests.fns import faulty
@@ -67,14 +69,30 @@ def _loader(workers: int) -> cp.Loader[Any]:
     return cp.Loader(pipe, cp.LoaderConfig(workers=cfg))
 
 
-def test_a_parallel_stage_and_the_boundary_each_share_the_workers_evenly() -> None:
-    """With fixed chunks, each stream's items split evenly over the workers:
-    the parallel stage's and the boundary's alike (N / CHUNK chunks a
-    stream, so exactly N / workers items each)."""
-    for workers in (2, 3):
-        with _loader(workers) as loader:
-            assert list(loader) == [2 * x for x in range(N)]
-            m = loader.metrics()
-        even = [N // workers] * workers
-        assert m["a"]["parallel"]["items_per_worker"] == even, workers
-        assert m["dispatch"]["items_per_worker"] == even, workers
+@pytest.mark.parametrize("workers", [2, 3])
+def test_a_parallel_stage_and_the_boundary_each_go_round_robin(
+    monkeypatch: pytest.MonkeyPatch, workers: int
+) -> None:
+    """In a real run, the chunks of the parallel stage and of the boundary
+    (sent interleaved by one thread) each cycle over every worker from their
+    own start, and each stream's items reach every worker."""
+    sent: list[tuple[int, int]] = []
+    real = Supervisor.next_slot
+
+    def recording(self: Supervisor, stream_id: int) -> int:
+        slot = real(self, stream_id)
+        sent.append((stream_id, slot))
+        return slot
+
+    monkeypatch.setattr(Supervisor, "next_slot", recording)
+    with _loader(workers) as loader:
+        assert list(loader) == [2 * x for x in range(N)]
+        m = loader.metrics()
+    streams = sorted({s for s, _ in sent})
+    assert len(streams) == 2, sent
+    for stream in streams:
+        slots = [slot for s, slot in sent if s == stream]
+        assert len(slots) >= N // CHUNK, (stream, slots)
+        assert slots == [(stream + k) % workers for k in range(len(slots))], slots
+    for per_worker in (m["a"]["parallel"]["items_per_worker"], m["dispatch"]["items_per_worker"]):
+        assert sum(per_worker) == N and all(per_worker), per_worker

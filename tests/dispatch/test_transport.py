@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import centralpipe as cp
-from centralpipe.dispatch.wire import transport
+from centralpipe.dispatch.wire import protocol, transport
 from tests.support.configs import loader_config
 
 Point = collections.namedtuple("Point", "x y")
@@ -678,3 +678,33 @@ def test_array_results_keep_class_and_writability_through_workers(
             assert all(np.shares_memory(x["head"], x["all"]) for x in items)
     assert got[2] == got[0] == [_observed(_array_kind(path, kind))] * 3
     assert bool(tables) == (kind == "ro-own")
+
+
+_INT_LISTS = [
+    [[1, 2, 3], [4], []],
+    [[[1, 2], [3]], [[4, 5, 6]], []],
+    [[], []],
+]
+
+
+@pytest.mark.parametrize("items", _INT_LISTS, ids=["token-lists", "buckets", "empty"])
+def test_copy_items_of_int_lists_is_a_structural_copy(items: list[Any]) -> None:
+    """Token lists and buckets of them are copied without pickling: equal
+    to the pickle round trip, and no list is shared with the input."""
+    copied = protocol.copy_items(items)
+    assert copied == transport.copy(items) == items
+    originals = {id(x) for x in items} | {id(y) for x in items for y in x if type(y) is list}
+    made = {id(x) for x in copied} | {id(y) for x in copied for y in x if type(y) is list}
+    assert not originals & made
+
+
+def test_copy_items_keeps_what_only_pickle_keeps() -> None:
+    """A list met twice stays one list, and bools and numpy ints keep their
+    type: those go through the pickle round trip."""
+    shared = [1, 2]
+    copied = protocol.copy_items([[shared, shared]])
+    assert copied == [[[1, 2], [1, 2]]] and copied[0][0] is copied[0][1]
+    flags = protocol.copy_items([[True, False]])
+    assert type(flags[0][0]) is bool
+    ids = protocol.copy_items([[np.int64(3)]])
+    assert type(ids[0][0]) is np.int64

@@ -317,6 +317,23 @@ def test_worker_stage_mutating_items_in_place_resumes_exactly(workers: int) -> N
     assert_resumes_exactly(pipe, _cfg(workers, chunk_size=4), ks=[0, 3, 10, 19, 20])
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("bucketed", [False, True], ids=["token-lists", "buckets"])
+def test_a_stage_appending_to_token_lists_resumes_exactly(workers: int, bucketed: bool) -> None:
+    """Token lists, alone or in buckets, are copied for the worker stages
+    inline by a structural copy (not a pickle round trip): a stage that
+    appends to them still leaves the checkpoint's in-flight items as they
+    were, with 0 workers as with 2."""
+    pipe = cp.Pipeline.from_iterable(range(30)).map(faulty.tokens_of)
+    if bucketed:
+        pipe = pipe.batch(4)
+    pipe = pipe.dispatch().map(faulty.append_in_place)
+    tokens = [[*faulty.tokens_of(i), -1] for i in range(30)]
+    expected = [tokens[i : i + 4] for i in range(0, 30, 4)] if bucketed else tokens
+    assert _run(pipe, _cfg(workers)) == expected
+    assert_resumes_exactly(pipe, _cfg(workers, chunk_size=3), ks=[0, 2, 5, len(expected)])
+
+
 def test_worker_states_after_a_worker_died_between_epochs() -> None:
     """worker_states() between epochs replaces a worker that died meanwhile."""
     import os

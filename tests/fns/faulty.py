@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 
 def _first_time(marker: str) -> bool:
@@ -128,6 +129,19 @@ def bump_in_place(d: dict[str, int]) -> dict[str, int]:
     """A worker stage that mutates its item in place (a common map style)."""
     d["x"] += 100
     return d
+
+
+def tokens_of(i: int) -> list[int]:
+    """A token list of ``i % 5 + 1`` ids."""
+    return [i * 10 + k for k in range(i % 5 + 1)]
+
+
+def append_in_place(tokens: list[Any]) -> list[Any]:
+    """A worker stage that appends to its token list (or to each list of a
+    bucket) in place, and returns it."""
+    for seq in tokens if tokens and isinstance(tokens[0], list) else [tokens]:
+        seq.append(-1)
+    return tokens
 
 
 def as_dict(i: int) -> dict[str, int]:

@@ -31,6 +31,7 @@ instead of reading a torn mix of two items (a seqlock).
 
 from __future__ import annotations
 
+import itertools
 import struct
 import time
 from multiprocessing.connection import Connection
@@ -337,8 +338,32 @@ def copy_items(items: list[Any], flat_groups: bool = True) -> list[Any]:
     # its lines are read by the worker, never here.
     if flat_groups and isinstance(items, list):
         items = [_flat_or_same(x) for x in items]
+        same = _copy_int_lists(items)
+        if same is not None:
+            return same
     copied: list[Any] = transport.copy(items)
     return copied
+
+
+def _copy_int_lists(items: list[Any]) -> list[Any] | None:
+    """``items`` copied as a pickle round trip would rebuild them, when they
+    are lists of plain ``int`` (token lists) or lists of such lists (buckets
+    of them): the common inline case, at a fraction of the round trip's
+    cost. ``None`` otherwise, and when a list object is met twice (pickle
+    would keep the two as one)."""
+    if set(map(type, items)) != {list}:
+        return None
+    inner = list(itertools.chain.from_iterable(items))
+    kinds = set(map(type, inner))
+    if kinds <= {int}:  # token lists
+        if len(set(map(id, items))) != len(items):
+            return None
+        return list(map(list, items))
+    if kinds != {list} or set(map(type, itertools.chain.from_iterable(inner))) - {int}:
+        return None
+    if len({*map(id, items), *map(id, inner)}) != len(items) + len(inner):
+        return None
+    return [list(map(list, group)) for group in items]
 
 
 def picklable_error(obj: Any, *, roundtrip: bool = False) -> Exception | None:

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 import centralpipe as cp
-from centralpipe.dispatch.supervisor import Supervisor
+from centralpipe.dispatch.reorder import StreamStats
+from centralpipe.dispatch.supervisor import Policy, Supervisor
 from tests.fns import faulty
 from tests.fns import fused as f
 
@@ -25,15 +26,21 @@ CHUNK = 10
 
 
 class _Pool:
+    """The executor as a Supervisor sees it before its run starts."""
+
     def __init__(self, n: int) -> None:
         self.slots = [object() for _ in range(n)]
 
+    def lendable_bytes(self) -> int:
+        return 0
+
+    def interrupt(self) -> None:
+        pass
+
 
 def _supervisor(workers: int) -> Supervisor:
-    sup = Supervisor.__new__(Supervisor)
-    sup.executor = _Pool(workers)  # type: ignore[assignment]
-    sup._rr = {}
-    return sup
+    policy = Policy.of(cp.WorkerConfig(num_workers=workers))
+    return Supervisor(_Pool(workers), 0, policy, StreamStats(workers))  # type: ignore[arg-type]
 
 
 def test_streams_sent_in_turn_each_alternate_workers() -> None:
